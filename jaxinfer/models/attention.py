@@ -1,0 +1,141 @@
+"""Grouped-query self-attention over a contiguous KV cache (or over the current tokens only).
+
+Masking is by position, never by padding flags: a query at position p sees keys at positions
+q <= p, and with a sliding window W only those with p - q < W (W keys, itself included, as in
+transformers' Mistral). Right-padded batches therefore need no extra mask: padding sits after
+every real token, so no real query ever sees it, and pad slots in the cache are overwritten by
+the next decoded token before anyone can attend to them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import dtype_of, make_param
+from jaxinfer.models.rope import apply_rope, inverse_frequencies
+from jaxinfer.sharding import constrain
+
+_MASKED = -1e30  # Large negative rather than -inf so fully masked rows stay finite.
+
+
+class LayerCache(NamedTuple):
+    """The contiguous cache of one layer: slot s of row b holds position s of sequence b."""
+
+    keys: jax.Array  # [B, S, K, H]
+    values: jax.Array  # [B, S, K, H]
+
+
+def dot_product_attention(
+    queries: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    query_positions: jax.Array,
+    key_positions: jax.Array,
+    sliding_window: int | None,
+) -> jax.Array:
+    """Causal grouped-query attention, softmax in float32.
+
+    Args:
+        queries: `[B, T, N, H]`.
+        keys: `[B, S, K, H]`, K dividing N.
+        values: `[B, S, K, H]`.
+        query_positions: `[B, T]` int32 positions of the queries.
+        key_positions: `[B, S]` int32 positions of the keys; negative marks an empty slot.
+        sliding_window: Keys visible per query (itself included), or None for all.
+
+    Returns:
+        `[B, T, N, H]` attention outputs in the queries' dtype.
+    """
+    batch, num_queries, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[2]
+    group = num_heads // num_kv_heads
+    grouped = queries.reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B,T,K,G,H]
+    scores = jnp.einsum("btkgh,bskh->bkgts", grouped, keys,
+                        preferred_element_type=jnp.float32)  # [B, K, G, T, S]
+    scores = scores * (head_dim ** -0.5)
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # [B, T, S]
+    visible = (distance >= 0) & (key_positions[:, None, :] >= 0)  # [B, T, S]
+    if sliding_window is not None:
+        visible &= distance < sliding_window
+    scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)  # [B, K, G, T, S]
+    weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)  # [B, K, G, T, S]
+    out = jnp.einsum("bkgts,bskh->btkgh", weights, values)  # [B, T, K, G, H]
+    return out.reshape(batch, num_queries, num_heads, head_dim)  # [B, T, N, H]
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped key/value heads, RoPE and optional q/k/v bias."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        param_dtype = dtype_of(config.param_dtype)
+        self.dtype = dtype_of(config.dtype)
+        self.sliding_window = config.sliding_window
+        self.config = config
+        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = make_param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), param_dtype)
+        self.k_proj = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_proj = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_proj = make_param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), param_dtype)
+        if config.attention_bias:
+            zeros = jax.nn.initializers.zeros
+            self.q_bias = make_param(rngs, (n, h), ("q_heads", "head_dim"), param_dtype, zeros)
+            self.k_bias = make_param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros)
+            self.v_bias = make_param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+
+    def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+        out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(self.dtype))  # [B, T, N|K, H]
+        if bias is not None:
+            out = out + bias[...].astype(self.dtype)
+        return out
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: LayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """Attends the tokens `x` to themselves and to the cache.
+
+        Args:
+            x: `[B, T, D]` hidden states.
+            positions: `[B, T]` int32 positions; with a cache they are also the slots the new
+                keys and values are written to (slots past the cache length are dropped).
+            cache: This layer's contiguous cache, or None to attend within `x` only.
+
+        Returns:
+            `([B, T, D]` outputs, the updated cache or None`)`.
+        """
+        inv_freq = inverse_frequencies(self.config)  # [H/2], a host constant of the config
+        queries = apply_rope(self._project(x, self.q_proj, self.q_bias), positions,
+                             inv_freq)  # [B, T, N, H]
+        keys = apply_rope(self._project(x, self.k_proj, self.k_bias), positions,
+                          inv_freq)  # [B, T, K, H]
+        values = self._project(x, self.v_proj, self.v_bias)  # [B, T, K, H]
+        queries = constrain(queries, ("batch", "length", "act_heads", None))
+        keys = constrain(keys, ("batch", "length", "act_kv_heads", None))
+        values = constrain(values, ("batch", "length", "act_kv_heads", None))
+
+        if cache is None:
+            all_keys, all_values, key_positions = keys, values, positions
+        else:
+            rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
+            all_keys = cache.keys.at[rows, positions].set(
+                keys.astype(cache.keys.dtype), mode="drop")  # [B, S, K, H]
+            all_values = cache.values.at[rows, positions].set(
+                values.astype(cache.values.dtype), mode="drop")  # [B, S, K, H]
+            cache = LayerCache(all_keys, all_values)
+            slots = jnp.arange(all_keys.shape[1], dtype=jnp.int32)  # [S]
+            key_positions = jnp.broadcast_to(slots, (x.shape[0], slots.shape[0]))  # [B, S]
+            all_keys, all_values = all_keys.astype(self.dtype), all_values.astype(self.dtype)
+
+        attended = dot_product_attention(queries, all_keys, all_values, positions,
+                                         key_positions, self.sliding_window)  # [B, T, N, H]
+        out = jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
+        return out, cache  # [B, T, D]

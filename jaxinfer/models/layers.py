@@ -1,0 +1,108 @@
+"""Small building blocks shared by every model: parameters, RMSNorm, embedding, SwiGLU MLP.
+
+Parameters are created with `make_param`, which records their logical axis names (see
+`jaxinfer.sharding`) in the variable's `out_sharding` metadata but does not place them: the
+model factory (`jaxinfer.models.create_model`) computes and checks the shardings for a mesh
+and initializes every parameter directly on its shards, and the checkpoint loader places each
+tensor as it reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.sharding import constrain
+
+Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
+
+# Matches transformers' `initializer_range` default, so random models look alike in both.
+DEFAULT_INIT_STDDEV = 0.02
+
+
+def make_param(
+    rngs: nnx.Rngs,
+    shape: Sequence[int],
+    logical_axes: Sequence[str | None],
+    dtype: jnp.dtype,
+    init: Initializer | None = None,
+) -> nnx.Param:
+    """Creates a parameter tagged with its logical axes.
+
+    Args:
+        rngs: Random streams; the `params` stream is used.
+        shape: Parameter shape.
+        logical_axes: One logical axis name per dimension.
+        dtype: Storage dtype.
+        init: Initializer; defaults to a normal with stddev DEFAULT_INIT_STDDEV.
+    """
+    if len(shape) != len(logical_axes):
+        raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(logical_axes)} differ")
+    init = init or jax.nn.initializers.normal(DEFAULT_INIT_STDDEV)
+    value = init(rngs.params(), tuple(shape), dtype)
+    # eager_sharding=False: placement is decided once for the whole model, with divisibility
+    # checks, by the factory or the loader, not by each variable as it is born.
+    return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    """Maps a config dtype name ("float32", "bfloat16", ...) to a jnp dtype."""
+    return jnp.dtype(name)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm, computed in float32 as transformers does."""
+
+    def __init__(self, size: int, eps: float, *, param_dtype: jnp.dtype, dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = make_param(rngs, (size,), ("norm",), param_dtype,
+                                 init=jax.nn.initializers.ones)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)  # [..., D]
+        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)  # [..., 1]
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)  # [..., D]
+        return normed * self.weight[...].astype(self.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table; also the LM head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, param_dtype: jnp.dtype,
+                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.dtype = dtype
+        self.weight = make_param(rngs, (vocab_size, hidden_size), ("vocab", "embed"),
+                                 param_dtype)
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:
+        embedded = jnp.take(self.weight[...], token_ids, axis=0)  # [B, T, D]
+        return embedded.astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied LM head: logits in float32 from hidden states `x` [B, T, D]."""
+        weight = self.weight[...].astype(self.dtype)  # [V, D]
+        return jnp.einsum("btd,vd->btv", x, weight, preferred_element_type=jnp.float32)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        param_dtype = dtype_of(config.param_dtype)
+        self.dtype = dtype_of(config.dtype)
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), param_dtype)
+        self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), param_dtype)
+        self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))  # [B, T, F]
+        up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))  # [B, T, F]
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))  # [B, T, F]
+        return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(self.dtype))

@@ -1,0 +1,164 @@
+"""The decoder-only transformer shared by reference generation, the engine and training.
+
+`Transformer(config, rngs=...)` builds the Llama-family model described by a `ModelConfig`
+(dense SwiGLU or Mixtral MoE blocks, tied or untied embeddings). `create_model` builds it
+directly onto a device mesh under a sharding layout. The forward pass takes token ids and
+their positions and, optionally, a contiguous KV cache (`KVCache`) that it updates.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.attention import Attention, LayerCache
+from jaxinfer.models.layers import MLP, Embedding, RMSNorm, dtype_of, make_param
+from jaxinfer.models.moe import MoEBlock
+from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
+
+
+class KVCache(NamedTuple):
+    """Contiguous KV cache for every layer: one `LayerCache` per layer."""
+
+    layers: tuple[LayerCache, ...]
+
+    @classmethod
+    def create(cls, config: ModelConfig, batch_size: int, max_length: int,
+               dtype: str | None = None) -> KVCache:
+        """Allocates a zeroed cache of `[B, S, K, H]` keys and values per layer."""
+        shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)
+        cache_dtype = dtype_of(dtype or config.dtype)
+        return cls(tuple(LayerCache(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
+                         for _ in range(config.num_layers)))
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        param_dtype, dtype = dtype_of(config.param_dtype), dtype_of(config.dtype)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                  param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.attention = Attention(config, rngs=rngs)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                           param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.mlp = MoEBlock(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 cache: LayerCache | None) -> tuple[jax.Array, LayerCache | None]:
+        attended, cache = self.attention(self.input_norm(x), positions, cache)  # [B, T, D]
+        x = constrain(x + attended, ("batch", "length", "act_embed"))  # [B, T, D]
+        x = x + self.mlp(self.post_attention_norm(x))  # [B, T, D]
+        return constrain(x, ("batch", "length", "act_embed")), cache
+
+
+class Transformer(nnx.Module):
+    """Llama-family decoder-only language model."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        self.config = config
+        param_dtype, dtype = dtype_of(config.param_dtype), dtype_of(config.dtype)
+        self.embed = Embedding(config.vocab_size, config.hidden_size, param_dtype=param_dtype,
+                               dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderBlock(config, rngs=rngs)
+                                for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                  param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = make_param(rngs, (config.hidden_size, config.vocab_size),
+                                      ("embed", "vocab"), param_dtype)
+
+    def hidden_states(self, token_ids: jax.Array, positions: jax.Array,
+                      cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Runs the blocks and the final norm.
+
+        Args:
+            token_ids: `[B, T]` int32.
+            positions: `[B, T]` int32 absolute positions (also the cache slots written).
+            cache: A contiguous cache to read and update, or None.
+
+        Returns:
+            `([B, T, D]` final hidden states, the updated cache or None`)`.
+        """
+        x = constrain(self.embed(token_ids), ("batch", "length", "act_embed"))  # [B, T, D]
+        new_layers = []
+        for index, block in enumerate(self.layers):
+            x, layer_cache = block(x, positions, None if cache is None else cache.layers[index])
+            new_layers.append(layer_cache)
+        x = self.final_norm(x)  # [B, T, D]
+        return x, None if cache is None else KVCache(tuple(new_layers))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Projects `[B, T, D]` hidden states to `[B, T, V]` float32 logits."""
+        if self.lm_head is None:
+            logits = self.embed.attend(hidden)  # [B, T, V]
+        else:
+            weight = self.lm_head[...].astype(hidden.dtype)  # [D, V]
+            logits = jnp.einsum("btd,dv->btv", hidden, weight,
+                                preferred_element_type=jnp.float32)  # [B, T, V]
+        return constrain(logits, ("batch", "length", "act_vocab"))
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None,
+                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Returns `([B, T, V]` float32 logits, the updated cache or None`)`.
+
+        `positions` defaults to 0..T-1 for every row (no cache, or an empty one).
+        """
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1], dtype=jnp.int32),
+                                         token_ids.shape)  # [B, T]
+        hidden, cache = self.hidden_states(token_ids, positions, cache)
+        return self.logits(hidden), cache
+
+
+def abstract_model(config: ModelConfig) -> Transformer:
+    """The model with shapes and logical axes only (no memory allocated)."""
+    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+
+
+def model_shardings(config: ModelConfig, mesh: Mesh,
+                    layout: str | LogicalRules = "tensor_parallel") -> nnx.State:
+    """The NamedSharding of every parameter of a `config` model on `mesh` under `layout`.
+
+    Raises:
+        ShardingError: A parameter cannot be split as the layout asks on this mesh.
+    """
+    return parameter_shardings(nnx.state(abstract_model(config)), mesh, layout)
+
+
+def create_model(
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    mesh: Mesh | None = None,
+    layout: str | LogicalRules = "tensor_parallel",
+) -> Transformer:
+    """Builds a randomly initialized model, placed on `mesh` under `layout` if given.
+
+    With a mesh, the parameter shardings are computed (and checked) from the abstract model
+    first, and one jitted initializer creates each parameter directly on its shards, so no
+    device ever holds a full copy of a split parameter.
+
+    Raises:
+        ShardingError: A parameter cannot be split as the layout asks on this mesh.
+    """
+    if mesh is None:
+        return Transformer(config, rngs=nnx.Rngs(seed))
+    graphdef = nnx.graphdef(abstract_model(config))
+    shardings = model_shardings(config, mesh, layout)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def initialize() -> nnx.State:
+        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed)))
+
+    with activate(mesh, layout):
+        state = initialize()
+    return nnx.merge(graphdef, state)

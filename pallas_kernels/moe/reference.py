@@ -1,0 +1,95 @@
+"""Reference mixture-of-experts ops (Mixtral semantics), in plain jnp.
+
+Two implementations of the same function:
+
+* `moe_dense`: every expert runs on every token and the outputs are mixed with the routing
+  weights (zero for experts a token was not routed to). Obviously correct and E/k times too
+  expensive; it is the oracle for the others.
+* `moe_sorted`: the token-expert assignments are sorted by expert, each expert's contiguous
+  group of rows goes through `jax.lax.ragged_dot`, and the results are un-permuted and mixed.
+  This is the XLA path and the shape of the future Pallas grouped-matmul kernel.
+
+Weights: `gate` and `up` `[E, D, F]`, `down` `[E, F, D]`; an expert computes
+`down(silu(x @ gate) * (x @ up))`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route_top_k(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Mixtral routing: softmax over experts, top-k, weights renormalized to sum to one.
+
+    Args:
+        router_logits: `[M, E]` router outputs per token.
+        top_k: Experts per token.
+
+    Returns:
+        `(weights [M, k] float32, experts [M, k] int32)`, experts in descending weight order.
+    """
+    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [M, E]
+    weights, experts = jax.lax.top_k(probabilities, top_k)  # [M, k], [M, k]
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # [M, k]
+    return weights, experts.astype(jnp.int32)
+
+
+def _expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    hidden = jax.nn.silu(x @ gate) * (x @ up)  # [M, F]
+    return hidden @ down  # [M, D]
+
+
+def moe_dense(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
+              up: jax.Array, down: jax.Array) -> jax.Array:
+    """All experts on all tokens, mixed by routing weight.
+
+    Args:
+        x: `[M, D]` tokens.
+        weights: `[M, k]` routing weights.
+        experts: `[M, k]` chosen expert ids.
+        gate: `[E, D, F]`.
+        up: `[E, D, F]`.
+        down: `[E, F, D]`.
+
+    Returns:
+        `[M, D]` in the dtype of `x`.
+    """
+    num_experts = gate.shape[0]
+    one_hot = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)  # [M, k, E]
+    mixing = jnp.einsum("mk,mke->me", weights.astype(jnp.float32), one_hot)  # [M, E]
+    per_expert = jax.vmap(_expert_ffn, in_axes=(None, 0, 0, 0))(x, gate, up, down)  # [E, M, D]
+    mixed = jnp.einsum("me,emd->md", mixing, per_expert.astype(jnp.float32))  # [M, D]
+    return mixed.astype(x.dtype)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Orders the flattened token-expert assignments by expert.
+
+    Args:
+        experts: `[M, k]` expert ids.
+        num_experts: E.
+
+    Returns:
+        `(order [M*k] int32, group_sizes [E] int32)`: `order[i]` is the flat assignment
+        (token * k + slot) in sorted row i; expert e owns `group_sizes[e]` consecutive rows.
+    """
+    flat = experts.reshape(-1)  # [M*k]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [M*k]
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+    return order, group_sizes
+
+
+def moe_sorted(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
+               up: jax.Array, down: jax.Array) -> jax.Array:
+    """Sorted dispatch with `jax.lax.ragged_dot`; same contract as `moe_dense`."""
+    num_tokens, top_k = experts.shape
+    order, group_sizes = sort_by_expert(experts, gate.shape[0])  # [M*k], [E]
+    rows = x[order // top_k]  # [M*k, D], assignment i reads token i // k
+    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(
+        rows, up, group_sizes)  # [M*k, F]
+    out_sorted = jax.lax.ragged_dot(hidden, down, group_sizes)  # [M*k, D]
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # [M*k, D], back to flat order
+    out = out.reshape(num_tokens, top_k, -1).astype(jnp.float32)  # [M, k, D]
+    mixed = jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), out)  # [M, D]
+    return mixed.astype(x.dtype)
