@@ -8,7 +8,6 @@ normalization, so that a template gives byte-identical text here and in
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +20,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# Names a message's reasoning may come under; transformers copies it to the first two.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -28,7 +28,6 @@ class ChatTemplateError(jinja2.exceptions.TemplateError):
     """A chat template rejected its input through `raise_exception`, or no template exists."""
 
 
-@dataclasses.dataclass(frozen=True)
 class _GenerationTagExtension(jinja2.ext.Extension):
     """Accepts `{% generation %}...{% endgeneration %}` blocks and renders their body as is.
 

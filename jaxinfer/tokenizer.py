@@ -52,9 +52,7 @@ NAMED_SPECIAL_TOKENS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
 )
 REPLACEMENT_CHARACTER = "\ufffd"
-# Names a message's reasoning may come under; transformers copies it to the first two.
-
-
+@dataclasses.dataclass(frozen=True)
 class AddedToken:
     """An added or special token as serialized in `tokenizer_config.json` (`AddedToken`).
 
