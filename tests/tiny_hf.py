@@ -41,10 +41,10 @@ PROMPTS = [
 ]
 
 
-def make_hf_model(family: str, seed: int = 0) -> transformers.PreTrainedModel:
+def make_hf_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     """A random-init float32 transformers model of `family`, in eval mode."""
     config_class, model_class, extra = FAMILIES[family]
-    config = config_class(**COMMON, **extra)
+    config = config_class(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -59,9 +59,10 @@ def make_hf_model(family: str, seed: int = 0) -> transformers.PreTrainedModel:
     return model
 
 
-def save_hf_model(family: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:
+def save_hf_model(family: str, directory: Path, seed: int = 0,
+                  **overrides) -> transformers.PreTrainedModel:
     """Makes and saves a tiny model of `family` to `directory`; returns the model."""
-    model = make_hf_model(family, seed)
+    model = make_hf_model(family, seed, **overrides)
     model.save_pretrained(directory)
     return model
 

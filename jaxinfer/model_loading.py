@@ -1,0 +1,53 @@
+"""Finding and loading a model by name: an HF directory, a jaxinfer orbax directory, a preset.
+
+`load_model` is what the CLI (and later the engine and the `LLM` class) call with the user's
+`--model` argument.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from checkpoints import load_hf_checkpoint, restore_model
+from checkpoints.hf import CONFIG_FILE
+from checkpoints.orbax_io import CONFIG_FILE as ORBAX_CONFIG_FILE
+from jaxinfer.config import PRESETS, get_preset
+from jaxinfer.models import Transformer, create_model
+
+
+def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
+               layout: str = "tensor_parallel", **config_overrides: Any) -> Transformer:
+    """Loads `model`.
+
+    Args:
+        model: A Hugging Face checkpoint directory (config.json + safetensors), a directory
+            written by `checkpoints.save_model`, or `random:PRESET` for a randomly initialized
+            preset (tests and benchmarks).
+        mesh: Optional device mesh to place the parameters on.
+        layout: Sharding layout for `mesh`.
+        **config_overrides: ModelConfig fields, e.g. `dtype="bfloat16"` (HF directories only).
+
+    Raises:
+        FileNotFoundError: `model` is neither a model directory nor a known name.
+    """
+    name = str(model)
+    if name.startswith("random:"):
+        preset = name.removeprefix("random:")
+        config = get_preset(preset)
+        if config_overrides:
+            config = config.replace(**config_overrides)
+        return create_model(config, mesh=mesh, layout=layout)
+    path = Path(name)
+    if (path / CONFIG_FILE).exists():
+        return load_hf_checkpoint(path, mesh=mesh, layout=layout, **config_overrides)
+    if (path / ORBAX_CONFIG_FILE).exists():
+        if config_overrides:
+            raise ValueError(f"{path}: config overrides {sorted(config_overrides)} apply to "
+                             f"Hugging Face directories only")
+        return restore_model(path, mesh=mesh, layout=layout)
+    state = "is not a model directory" if path.is_dir() else "does not exist"
+    raise FileNotFoundError(
+        f"model {name!r} {state}: expected a directory with {CONFIG_FILE} (Hugging Face) or "
+        f"{ORBAX_CONFIG_FILE} (jaxinfer), or random:PRESET with PRESET in {sorted(PRESETS)}")

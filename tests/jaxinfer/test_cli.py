@@ -1,0 +1,103 @@
+"""`jaxinfer generate` on checkpoints with and without tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from jaxinfer.cli import main
+from jaxinfer.tokenizer import load_tokenizer
+from tests.tiny_hf import hf_greedy, save_hf_model
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def bare_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bare")
+    return directory, save_hf_model("llama", directory)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("with_tokenizer")
+    hf_model = save_hf_model("llama", directory, vocab_size=VOCAB)
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["hello world, the quick brown fox"] * 50, trainer)
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    return directory, hf_model
+
+
+def _run_json(capsys, *argv: str) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_token_ids_without_tokenizer_match_transformers(bare_checkpoint, capsys):
+    directory, hf_model = bare_checkpoint
+    out = _run_json(capsys, "--model", str(directory), "--prompt-token-ids", "1,5,77,9",
+                    "--max-tokens", "12")
+    assert out == {"token_ids": hf_greedy(hf_model, [1, 5, 77, 9], 12), "text": None}
+
+
+def test_text_prompt_needs_a_tokenizer(bare_checkpoint, capsys):
+    directory, _ = bare_checkpoint
+    assert main(["generate", "--model", str(directory), "--prompt", "hi"]) == 2
+    assert "has no tokenizer files" in capsys.readouterr().err
+
+
+def test_text_prompt_and_decoded_output(checkpoint_with_tokenizer, capsys):
+    directory, hf_model = checkpoint_with_tokenizer
+    tokenizer = load_tokenizer(directory)
+    out = _run_json(capsys, "--model", str(directory), "--prompt", "hello world",
+                    "--max-tokens", "10", "--ignore-eos")
+    prompt_ids = tokenizer.encode("hello world")
+    assert len(out["token_ids"]) == 10
+    assert out["text"] == tokenizer.decode(out["token_ids"])
+    # Greedy through the CLI equals transformers' greedy unless transformers hit EOS first.
+    reference = hf_greedy(hf_model, prompt_ids, 10)
+    assert out["token_ids"][: len(reference)] == reference
+
+
+def test_sampling_flags_are_seeded(bare_checkpoint, capsys):
+    directory, _ = bare_checkpoint
+    argv = ("--model", str(directory), "--prompt-token-ids", "1,2,3", "--max-tokens", "16",
+            "--temperature", "1.0", "--top-k", "40", "--top-p", "0.9", "--ignore-eos")
+    first = _run_json(capsys, *argv, "--seed", "1")
+    assert first == _run_json(capsys, *argv, "--seed", "1")
+    assert first != _run_json(capsys, *argv, "--seed", "2")
+
+
+def test_bad_inputs_exit_2_with_a_message(bare_checkpoint, tmp_path, capsys):
+    directory, _ = bare_checkpoint
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt-token-ids", "1"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--model", str(directory), "--prompt-token-ids", "1,999"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
+    assert main(["generate", "--model", str(directory), "--prompt-token-ids", "1",
+                 "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(directory), "--prompt-token-ids", "1,x"])
+
+
+def test_prompt_from_stdin_in_a_subprocess(checkpoint_with_tokenizer):
+    directory, _ = checkpoint_with_tokenizer
+    command = [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(directory),
+               "--max-tokens", "5", "--json"]
+    piped = subprocess.run(command, input="hello world", capture_output=True, text=True,
+                           check=True, timeout=300)
+    given = subprocess.run([*command, "--prompt", "hello world"], capture_output=True,
+                           text=True, check=True, timeout=300)
+    assert json.loads(piped.stdout) == json.loads(given.stdout)
