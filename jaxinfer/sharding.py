@@ -41,44 +41,36 @@ _PARAMETER_AXES = ("vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "
 _ACTIVATION_AXES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
                     "act_vocab", "act_expert")
 
+_TENSOR_PARALLEL: LogicalRules = (
+    ("vocab", "model"),
+    ("embed", None),
+    ("q_heads", "model"),
+    ("kv_heads", "model"),
+    ("head_dim", None),
+    ("mlp", "model"),
+    ("expert", "expert"),
+    ("norm", None),
+    ("batch", "data"),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "model"),
+    ("act_kv_heads", "model"),
+    ("act_mlp", "model"),
+    ("act_vocab", "model"),
+    ("act_expert", "expert"),
+)
+
+
+def _override(rules: LogicalRules, **changes: str | None) -> LogicalRules:
+    return tuple((name, changes.get(name, target)) for name, target in rules)
+
+
 LAYOUTS: dict[str, LogicalRules] = {
     "replicated": tuple((name, None) for name in _PARAMETER_AXES + _ACTIVATION_AXES),
-    "tensor_parallel": (
-        ("vocab", "model"),
-        ("embed", None),
-        ("q_heads", "model"),
-        ("kv_heads", "model"),
-        ("head_dim", None),
-        ("mlp", "model"),
-        ("expert", "expert"),
-        ("norm", None),
-        ("batch", "data"),
-        ("length", None),
-        ("act_embed", None),
-        ("act_heads", "model"),
-        ("act_kv_heads", "model"),
-        ("act_mlp", "model"),
-        ("act_vocab", "model"),
-        ("act_expert", "expert"),
-    ),
-    "fsdp_tp": (
-        ("vocab", "model"),
-        ("embed", "data"),
-        ("q_heads", "model"),
-        ("kv_heads", "model"),
-        ("head_dim", None),
-        ("mlp", "model"),
-        ("expert", "expert"),
-        ("norm", None),
-        ("batch", "data"),
-        ("length", None),
-        ("act_embed", None),
-        ("act_heads", "model"),
-        ("act_kv_heads", "model"),
-        ("act_mlp", "model"),
-        ("act_vocab", "model"),
-        ("act_expert", "expert"),
-    ),
+    "tensor_parallel": _TENSOR_PARALLEL,
+    # FSDP: parameters additionally split along the model width over 'data'; gathered per
+    # layer by XLA when used, so each data replica holds 1/data of the weights at rest.
+    "fsdp_tp": _override(_TENSOR_PARALLEL, embed="data"),
 }
 
 
