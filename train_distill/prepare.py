@@ -20,10 +20,12 @@ from train_distill.tokenizer_training import train_tokenizer
 
 
 def prepare(out: str | Path, sources: Sequence[str] = ("python-docs",),
-            vocab_size: int = 4096, max_documents: int | None = None) -> dict:
+            vocab_size: int = 4096, max_documents: int | None = None,
+            validation_percent: float = 3.0) -> dict:
     """Runs the three stages into `out/{corpus,tokenizer,tokens}`; returns a summary."""
     out = Path(out)
-    manifest = build_corpus(out / "corpus", sources, max_documents=max_documents)
+    manifest = build_corpus(out / "corpus", sources, validation_percent,
+                            max_documents=max_documents)
     train_tokenizer(out / "corpus", out / "tokenizer", vocab_size)
     tokens = prepare_token_files(out / "corpus", out / "tokenizer", out / "tokens")
     return {"corpus": manifest, "tokens": tokens}

@@ -59,6 +59,6 @@ def test_loader_is_deterministic_and_resumes_exactly():
     saved = LoaderState(again.state.epoch, again.state.index)
     resumed = PackedLoader(windows, batch_size=6, seed=1, state=saved)
     assert [resumed.next_batch()[:, 0].tolist() for _ in range(8)] == uninterrupted[7:]
-    epoch0 = sum(uninterrupted[:6], [])
+    epoch0 = [index for batch in uninterrupted[:6] for index in batch]
     assert len(set(epoch0)) == 36  # no window repeats within an epoch
     assert uninterrupted[0] != PackedLoader(windows, 6, seed=2).next_batch()[:, 0].tolist()

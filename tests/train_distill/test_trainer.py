@@ -1,0 +1,117 @@
+"""The trainer: resumes bit-for-bit, runs every optimizer and loss, exports a loadable model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxinfer.config import get_preset
+from jaxinfer.generate import generate
+from jaxinfer.model_loading import load_model
+from train_distill.config import (
+    DataConfig,
+    DistillConfig,
+    OptimizerConfig,
+    RunConfig,
+    TrainConfig,
+    load_train_config,
+)
+from train_distill.prepare import prepare
+from train_distill.train import run
+from train_distill.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def data_directory(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    prepare(out, sources=["stdlib"], vocab_size=512, max_documents=40,
+            validation_percent=15.0)
+    return out
+
+
+def _config(data_directory, out, **sections) -> TrainConfig:
+    data = DataConfig(tokens=str(data_directory / "tokens"),
+                      tokenizer=str(data_directory / "tokenizer"), sequence_length=32,
+                      batch_size=8, seed=0)
+    run_config = RunConfig(out=str(out), total_steps=10, checkpoint_every=5, eval_every=5,
+                           eval_batches=2, log_every=5, export_hf=False)
+    defaults = dict(model=get_preset("tiny"), data=data, run=run_config,
+                    optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=2))
+    return TrainConfig(**{**defaults, **sections})
+
+
+def _quiet(config: TrainConfig) -> Trainer:
+    return Trainer(config, log=lambda line: None)
+
+
+def test_resumed_run_reproduces_the_uninterrupted_losses(data_directory, tmp_path):
+    straight = _quiet(_config(data_directory, tmp_path / "straight"))
+    full = [record["loss"] for record in straight.train()]
+    straight.close()
+
+    first = _quiet(_config(data_directory, tmp_path / "resumed"))
+    first.train(steps=5)
+    first.close()
+    second = _quiet(_config(data_directory, tmp_path / "resumed"))
+    assert second.state.step == 5
+    rest = [record["loss"] for record in second.train()]
+    second.close()
+    np.testing.assert_allclose(rest, full[5:], rtol=0, atol=1e-6)
+    assert full[-1] < full[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw"])
+def test_each_optimizer_lowers_the_loss(data_directory, tmp_path, optimizer):
+    model = get_preset("tiny")
+    trainer = _quiet(_config(data_directory, tmp_path, model=model,
+                             optimizer=OptimizerConfig(name=optimizer, learning_rate=3e-3,
+                                                       warmup_steps=2)))
+    history = trainer.train()
+    trainer.close()
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert np.isfinite(history[-1]["validation_ppl"])
+
+
+@pytest.fixture(scope="module")
+def teacher_directory(data_directory, tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher")
+    config = _config(data_directory, out, run=RunConfig(
+        out=str(out), total_steps=12, checkpoint_every=0, eval_every=0, log_every=100,
+        export_hf=True, progress=False))
+    summary = run(config)
+    return summary["hf_directory"]
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_each_distillation_loss_runs_against_a_teacher(data_directory, teacher_directory,
+                                                       tmp_path, kind):
+    student = get_preset("tiny").replace(num_layers=1, hidden_size=32, intermediate_size=64)
+    trainer = _quiet(_config(data_directory, tmp_path, model=student,
+                             distill=DistillConfig(teacher=teacher_directory, kind=kind,
+                                                   temperature=2.0, ce_weight=0.3)))
+    history = trainer.train()
+    trainer.close()
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_exported_model_generates(teacher_directory):
+    model = load_model(teacher_directory)
+    [tokens] = generate(model, [[1, 50, 60]], max_new_tokens=5, eos_token_ids=())
+    assert len(tokens) == 5
+
+
+def test_config_file_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\npreset = "tiny"\nnum_layers = 1\n[optimizer]\nname = "adamw"\n'
+                    '[run]\ntotal_steps = 3\n')
+    config = load_train_config(path, ["optimizer.learning_rate=1e-4", "run.out=somewhere",
+                                      "data.batch_size=4"])
+    assert config.model.num_layers == 1 and config.optimizer.learning_rate == 1e-4
+    assert config.run.out == "somewhere" and config.data.batch_size == 4
+    assert json.dumps(config.to_dict())
+    with pytest.raises(ValueError, match=r"\[run\] has no field 'steps'"):
+        load_train_config(path, ["run.steps=3"])
+    with pytest.raises(ValueError, match=r"expected section\.key=value"):
+        load_train_config(path, ["learning_rate=3"])
