@@ -78,7 +78,7 @@ def test_each_optimizer_lowers_the_loss(data_directory, tmp_path, optimizer):
 def teacher_directory(data_directory, tmp_path_factory):
     out = tmp_path_factory.mktemp("teacher")
     config = _config(data_directory, out, run=RunConfig(
-        out=str(out), total_steps=12, checkpoint_every=0, eval_every=0, log_every=100,
+        out=str(out), total_steps=8, checkpoint_every=0, eval_every=0, log_every=100,
         export_hf=True, progress=False))
     summary = run(config)
     return summary["hf_directory"]
@@ -88,7 +88,9 @@ def teacher_directory(data_directory, tmp_path_factory):
 def test_each_distillation_loss_runs_against_a_teacher(data_directory, teacher_directory,
                                                        tmp_path, kind):
     student = get_preset("tiny").replace(num_layers=1, hidden_size=32, intermediate_size=64)
-    trainer = _quiet(_config(data_directory, tmp_path, model=student,
+    short = RunConfig(out=str(tmp_path), total_steps=6, checkpoint_every=0, eval_every=0,
+                      log_every=100, export_hf=False)
+    trainer = _quiet(_config(data_directory, tmp_path, model=student, run=short,
                              distill=DistillConfig(teacher=teacher_directory, kind=kind,
                                                    temperature=2.0, ce_weight=0.3)))
     history = trainer.train()
