@@ -32,7 +32,12 @@ from jaxinfer.model_loading import load_model
 from train_distill.data import pack
 
 
-def _forward_fn(model):
+def score_windows(model, windows: np.ndarray, batch_size: int = 8) -> tuple[np.ndarray, ...]:
+    """Next-token NLL and argmax at every position of `[W, L + 1]` windows, `[W, L]` each.
+
+    The forward pass is traced here, so a `jaxinfer.quant.simulate` block around the call
+    applies its activation and K/V quantization.
+    """
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -42,7 +47,13 @@ def _forward_fn(model):
         picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
         return -picked, jnp.argmax(logits, axis=-1)  # [B, L], [B, L]
 
-    return lambda inputs, targets: forward(state, inputs, targets)
+    losses, argmaxes = [], []
+    for start in range(0, len(windows), batch_size):
+        batch = jnp.asarray(windows[start:start + batch_size])  # [B, L + 1]
+        loss, argmax = forward(state, batch[:, :-1], batch[:, 1:])
+        losses.append(np.asarray(loss))
+        argmaxes.append(np.asarray(argmax))
+    return np.concatenate(losses), np.concatenate(argmaxes)
 
 
 def evaluate(models: dict[str, str], windows: np.ndarray, batch_size: int = 8) -> dict:
@@ -51,17 +62,10 @@ def evaluate(models: dict[str, str], windows: np.ndarray, batch_size: int = 8) -
     teacher_argmax = None
     for index, (name, path) in enumerate(models.items()):
         model = load_model(path)
-        forward = _forward_fn(model)
-        losses, argmaxes = [], []
-        for start in range(0, len(windows), batch_size):
-            batch = jnp.asarray(windows[start:start + batch_size])
-            loss, argmax = forward(batch[:, :-1], batch[:, 1:])
-            losses.append(np.asarray(loss))
-            argmaxes.append(np.asarray(argmax))
-        argmax = np.concatenate(argmaxes)
+        losses, argmax = score_windows(model, windows, batch_size)
         count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nnx.state(model)))
         results[name] = {"path": path, "parameters": count,
-                         "validation_ppl": math.exp(float(np.concatenate(losses).mean()))}
+                         "validation_ppl": math.exp(float(losses.mean()))}
         if index == 0:
             teacher_argmax = argmax
         else:

@@ -16,6 +16,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+NORM_TYPES = ("rms", "single_scale")
 
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -81,6 +82,11 @@ class ModelConfig:
         eos_token_ids: End-of-sequence ids (generation stops on any of them).
         param_dtype: Dtype parameters are stored in.
         dtype: Dtype activations are computed in (softmax and norms always run in float32).
+        norm_type: "rms" (a per-channel RMSNorm gain, as every HF model) or "single_scale"
+            (OSP's Single-Scale RMSNorm: one scalar gain per norm). Training-time only: the
+            export folds it back to "rms".
+        embedding_projection: OSP's EmbProj: learned `[D, D]` maps after the embedding lookup
+            and between the final norm and the LM head. Training-time only, folded on export.
     """
 
     model_type: str = "llama"
@@ -104,6 +110,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (2,)
     param_dtype: str = "float32"
     dtype: str = "float32"
+    norm_type: str = "rms"
+    embedding_projection: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -143,6 +151,8 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.num_experts_per_token <= self.num_experts:
             raise _fail("num_experts_per_token", self.num_experts_per_token,
                         f"must be in [1, num_experts = {self.num_experts}]")
+        if self.norm_type not in NORM_TYPES:
+            raise _fail("norm_type", self.norm_type, f"supported: {NORM_TYPES}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise _fail(name, getattr(self, name), f"supported: {SUPPORTED_DTYPES}")
@@ -156,6 +166,11 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per key/value head (G)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def uses_osp_parts(self) -> bool:
+        """Whether the model has OSP's Single-Scale RMSNorm or embedding projections."""
+        return self.norm_type != "rms" or self.embedding_projection
 
     def replace(self, **changes: Any) -> ModelConfig:
         """Returns a copy with `changes` applied (validated again)."""
@@ -250,7 +265,16 @@ class ModelConfig:
         return cls(**fields)
 
     def to_hf(self) -> dict[str, Any]:
-        """Returns the Hugging Face `config.json` dict for this config."""
+        """Returns the Hugging Face `config.json` dict for this config.
+
+        Raises:
+            ConfigError: The config uses OSP training-time parts, which HF models lack; fold
+                them first (`train_distill.osp.fold_osp`).
+        """
+        if self.uses_osp_parts:
+            field = "norm_type" if self.norm_type != "rms" else "embedding_projection"
+            raise _fail(field, getattr(self, field), "has no HF equivalent; fold the model "
+                        "with train_distill.osp.fold_osp before exporting")
         rope: dict[str, Any] = {"rope_type": self.rope_scaling.rope_type,
                                 "rope_theta": self.rope_theta}
         if self.rope_scaling.rope_type == "linear":

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import dtype_of, make_param
+from jaxinfer.models.layers import cached_key_value, dtype_of, linear_input, make_param
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import constrain
 
@@ -113,11 +113,13 @@ class Attention(nnx.Module):
             `([B, T, D]` outputs, the updated cache or None`)`.
         """
         inv_freq = inverse_frequencies(self.config)  # [H/2], a host constant of the config
+        x = linear_input(x)  # [B, T, D]
         queries = apply_rope(self._project(x, self.q_proj, self.q_bias), positions,
                              inv_freq)  # [B, T, N, H]
         keys = apply_rope(self._project(x, self.k_proj, self.k_bias), positions,
                           inv_freq)  # [B, T, K, H]
         values = self._project(x, self.v_proj, self.v_bias)  # [B, T, K, H]
+        keys, values = cached_key_value(keys), cached_key_value(values)
         queries = constrain(queries, ("batch", "length", "act_heads", None))
         keys = constrain(keys, ("batch", "length", "act_kv_heads", None))
         values = constrain(values, ("batch", "length", "act_kv_heads", None))
@@ -137,5 +139,6 @@ class Attention(nnx.Module):
 
         attended = dot_product_attention(queries, all_keys, all_values, positions,
                                          key_positions, self.sliding_window)  # [B, T, N, H]
+        attended = linear_input(attended)  # [B, T, N, H]
         out = jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
         return out, cache  # [B, T, D]

@@ -9,7 +9,8 @@ tensor as it reads it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,26 +50,78 @@ def make_param(
     return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
 
 
+# Trace-time hooks for simulated ("fake") quantization, set by `simulated_quantization`:
+# identity when unset, so the ordinary forward pass is untouched.
+_LINEAR_INPUT_HOOK: Callable[[jax.Array], jax.Array] | None = None
+_KV_HOOK: Callable[[jax.Array], jax.Array] | None = None
+
+
+@contextlib.contextmanager
+def simulated_quantization(
+    linear_inputs: Callable[[jax.Array], jax.Array] | None = None,
+    keys_values: Callable[[jax.Array], jax.Array] | None = None,
+) -> Iterator[None]:
+    """Applies quantize-dequantize functions while a model is traced inside the block.
+
+    Args:
+        linear_inputs: Applied to the `[B, T, D|F|N, ...]` input of every linear layer inside
+            the blocks (q/k/v, o, gate/up, down; the MoE block's input).
+        keys_values: Applied to the `[B, T, K, H]` keys (after RoPE) and values of every layer.
+
+    The hooks act at trace time: jit the forward pass inside the `with` block (a function
+    jitted before will not see them).
+    """
+    global _LINEAR_INPUT_HOOK, _KV_HOOK
+    saved = _LINEAR_INPUT_HOOK, _KV_HOOK
+    _LINEAR_INPUT_HOOK, _KV_HOOK = linear_inputs, keys_values
+    try:
+        yield
+    finally:
+        _LINEAR_INPUT_HOOK, _KV_HOOK = saved
+
+
+def linear_input(x: jax.Array) -> jax.Array:
+    """`x` as a linear layer sees it: itself, or quantize-dequantized under simulation."""
+    return x if _LINEAR_INPUT_HOOK is None else _LINEAR_INPUT_HOOK(x)
+
+
+def cached_key_value(x: jax.Array) -> jax.Array:
+    """A key or value as the KV cache holds it: itself, or quantize-dequantized."""
+    return x if _KV_HOOK is None else _KV_HOOK(x)
+
+
 def dtype_of(name: str) -> jnp.dtype:
     """Maps a config dtype name ("float32", "bfloat16", ...) to a jnp dtype."""
     return jnp.dtype(name)
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square layer norm, computed in float32 as transformers does."""
+    """Root-mean-square layer norm, computed in float32 as transformers does.
+
+    With `single_scale`, the gain is one learnable scalar (shape `[1]`, broadcast over the
+    channels) instead of a per-channel vector: OSP's Single-Scale RMSNorm, which gives the
+    model no per-channel knob with which to grow outlier features.
+    """
 
     def __init__(self, size: int, eps: float, *, param_dtype: jnp.dtype, dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+                 rngs: nnx.Rngs, single_scale: bool = False) -> None:
         self.eps = eps
         self.dtype = dtype
-        self.weight = make_param(rngs, (size,), ("norm",), param_dtype,
+        self.weight = make_param(rngs, (1 if single_scale else size,), ("norm",), param_dtype,
                                  init=jax.nn.initializers.ones)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)  # [..., D]
         variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)  # [..., 1]
         normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)  # [..., D]
-        return normed * self.weight[...].astype(self.dtype)
+        return normed * self.weight[...].astype(self.dtype)  # gain [D] or [1]
+
+
+def make_norm(config: ModelConfig, *, rngs: nnx.Rngs) -> RMSNorm:
+    """The RMSNorm a `config` model uses (per-channel, or single-scale for OSP)."""
+    return RMSNorm(config.hidden_size, config.rms_norm_eps,
+                   param_dtype=dtype_of(config.param_dtype), dtype=dtype_of(config.dtype),
+                   rngs=rngs, single_scale=config.norm_type == "single_scale")
 
 
 class Embedding(nnx.Module):
@@ -102,7 +155,9 @@ class MLP(nnx.Module):
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = linear_input(x)  # [B, T, D]
         gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))  # [B, T, F]
         up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))  # [B, T, F]
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))  # [B, T, F]
+        hidden = linear_input(hidden)  # [B, T, F]
         return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(self.dtype))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import dtype_of, make_param
+from jaxinfer.models.layers import dtype_of, linear_input, make_param
 from pallas_kernels.moe import moe_ffn
 
 
@@ -33,7 +33,7 @@ class MoEBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape
-        tokens = x.reshape(batch * length, width)  # [M, D]
+        tokens = linear_input(x).reshape(batch * length, width)  # [M, D]
         router_logits = jnp.einsum("md,de->me", tokens, self.router[...].astype(self.dtype),
                                    preferred_element_type=jnp.float32)  # [M, E]
         out = moe_ffn(tokens, router_logits, self.gate_proj[...].astype(self.dtype),

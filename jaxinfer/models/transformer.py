@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import Attention, LayerCache
-from jaxinfer.models.layers import MLP, Embedding, RMSNorm, dtype_of, make_param
+from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_norm, make_param
 from jaxinfer.models.moe import MoEBlock
 from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
 
@@ -42,12 +42,9 @@ class DecoderBlock(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
-        param_dtype, dtype = dtype_of(config.param_dtype), dtype_of(config.dtype)
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                  param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.input_norm = make_norm(config, rngs=rngs)
         self.attention = Attention(config, rngs=rngs)
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                           param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.post_attention_norm = make_norm(config, rngs=rngs)
         self.mlp = MoEBlock(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array,
@@ -59,7 +56,13 @@ class DecoderBlock(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Llama-family decoder-only language model."""
+    """Llama-family decoder-only language model.
+
+    With `config.embedding_projection` (OSP's EmbProj), two orthogonally initialized `[D, D]`
+    maps sit after the embedding lookup (`input_projection`) and between the final norm and
+    the LM head (`output_projection`); `train_distill.osp.fold_osp` folds them into the
+    embedding and the head for export.
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
         self.config = config
@@ -68,32 +71,60 @@ class Transformer(nnx.Module):
                                dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderBlock(config, rngs=rngs)
                                 for _ in range(config.num_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                  param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.final_norm = make_norm(config, rngs=rngs)
+        if config.embedding_projection:
+            orthogonal = jax.nn.initializers.orthogonal()
+            d = config.hidden_size
+            self.input_projection = make_param(rngs, (d, d), ("embed", None), param_dtype,
+                                               orthogonal)
+            self.output_projection = make_param(rngs, (d, d), ("embed", None), param_dtype,
+                                                orthogonal)
+        else:
+            self.input_projection = self.output_projection = None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = make_param(rngs, (config.hidden_size, config.vocab_size),
                                       ("embed", "vocab"), param_dtype)
 
-    def hidden_states(self, token_ids: jax.Array, positions: jax.Array,
-                      cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    def hidden_states(
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None = None,
+        *,
+        intermediates: list[jax.Array] | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
         """Runs the blocks and the final norm.
 
         Args:
             token_ids: `[B, T]` int32.
             positions: `[B, T]` int32 absolute positions (also the cache slots written).
             cache: A contiguous cache to read and update, or None.
+            intermediates: If given, receives every hidden state the outlier metrics look
+                at, each `[B, T, D]`: the embedding output, each block's residual-stream
+                output, and the final normed output (L + 2 arrays).
 
         Returns:
             `([B, T, D]` final hidden states, the updated cache or None`)`.
         """
-        x = constrain(self.embed(token_ids), ("batch", "length", "act_embed"))  # [B, T, D]
+        x = self.embed(token_ids)  # [B, T, D]
+        if self.input_projection is not None:
+            x = jnp.einsum("btd,de->bte", x, self.input_projection[...].astype(x.dtype))
+        x = constrain(x, ("batch", "length", "act_embed"))  # [B, T, D]
+        if intermediates is not None:
+            intermediates.append(x)
         new_layers = []
         for index, block in enumerate(self.layers):
             x, layer_cache = block(x, positions, None if cache is None else cache.layers[index])
             new_layers.append(layer_cache)
+            if intermediates is not None:
+                intermediates.append(x)
         x = self.final_norm(x)  # [B, T, D]
+        if intermediates is not None:
+            intermediates.append(x)
+        if self.output_projection is not None:
+            x = jnp.einsum("btd,de->bte", x, self.output_projection[...].astype(x.dtype))
         return x, None if cache is None else KVCache(tuple(new_layers))
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -62,9 +62,11 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(data_directory, tmp_pat
     assert full[-1] < full[0]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw"])
+@pytest.mark.parametrize("optimizer", ["adamw", "osp"])
 def test_each_optimizer_lowers_the_loss(data_directory, tmp_path, optimizer):
     model = get_preset("tiny")
+    if optimizer == "osp":  # full OSP: Muon + AdamW, Single-Scale RMSNorm, EmbProj
+        model = model.replace(norm_type="single_scale", embedding_projection=True)
     trainer = _quiet(_config(data_directory, tmp_path, model=model,
                              optimizer=OptimizerConfig(name=optimizer, learning_rate=3e-3,
                                                        warmup_steps=2)))
@@ -96,6 +98,19 @@ def test_each_distillation_loss_runs_against_a_teacher(data_directory, teacher_d
     history = trainer.train()
     trainer.close()
     assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_osp_run_exports_a_folded_plain_llama(data_directory, tmp_path):
+    model = get_preset("tiny").replace(norm_type="single_scale", embedding_projection=True)
+    config = _config(data_directory, tmp_path, model=model,
+                     optimizer=OptimizerConfig(name="osp", learning_rate=3e-3, warmup_steps=2),
+                     run=RunConfig(out=str(tmp_path), total_steps=3, checkpoint_every=0,
+                                   eval_every=0, log_every=100, export_hf=True))
+    summary = run(config)
+    exported = load_model(summary["hf_directory"])
+    assert not exported.config.uses_osp_parts
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["model_type"] == "llama" and not hf_config["tie_word_embeddings"]
 
 
 def test_exported_model_generates(teacher_directory):
