@@ -46,15 +46,21 @@ def _quiet(config: TrainConfig) -> Trainer:
     return Trainer(config, log=lambda line: None)
 
 
-def test_resumed_run_reproduces_the_uninterrupted_losses(data_directory, tmp_path):
-    straight = _quiet(_config(data_directory, tmp_path / "straight"))
+@pytest.mark.parametrize("optimizer", ["adamw", "osp"])
+def test_resumed_run_reproduces_the_uninterrupted_losses(data_directory, tmp_path, optimizer):
+    sections = {"optimizer": OptimizerConfig(name=optimizer, learning_rate=3e-3,
+                                             warmup_steps=2)}
+    if optimizer == "osp":
+        sections["model"] = get_preset("tiny").replace(norm_type="single_scale",
+                                                       embedding_projection=True)
+    straight = _quiet(_config(data_directory, tmp_path / "straight", **sections))
     full = [record["loss"] for record in straight.train()]
     straight.close()
 
-    first = _quiet(_config(data_directory, tmp_path / "resumed"))
+    first = _quiet(_config(data_directory, tmp_path / "resumed", **sections))
     first.train(steps=5)
     first.close()
-    second = _quiet(_config(data_directory, tmp_path / "resumed"))
+    second = _quiet(_config(data_directory, tmp_path / "resumed", **sections))
     assert second.state.step == 5
     rest = [record["loss"] for record in second.train()]
     second.close()
