@@ -1,0 +1,119 @@
+"""Ragged paged attention, the readable float32 reference (and the XLA path off-TPU).
+
+One step of a continuous-batching engine attends a ragged batch: S sequences, each bringing
+some new query tokens (a prefill chunk, or one decode token) packed back to back into one
+`[T, N, H]` array, to all of its keys so far, which live in fixed-size pages of a shared pool.
+
+Page layout (the one the engine's cache, this reference and the kernels share):
+
+    kv_pages: [P, page_size, 2 * K, H]   keys and values interleaved on the head axis:
+                                          slot 2k holds key head k, slot 2k + 1 value head k
+
+Page p, row r of a sequence whose page table is `page_indices[s]` holds that sequence's token
+at position `j * page_size + r` where `page_indices[s, j] == p`. Interleaving K and V keeps one
+token's keys and values in one contiguous row, so a kernel fetches both with one DMA.
+
+Ragged batch description (all int32):
+
+    cu_q_lens: [S + 1]  query token offsets: sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
+    kv_lens:   [S]      keys of sequence s after this step's tokens are written (its new query
+                        tokens are the last q_len of them, at positions kv_len - q_len ...)
+    num_seqs:  [1]      real sequences; rows past it (and tokens past cu_q_lens[num_seqs])
+                        are padding and give zeros
+
+Masking is causal by position, with an optional sliding window W (a query at position p sees
+keys at q with p - W < q <= p), matching `jaxinfer.models.attention`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite, so a fully masked (padding) row stays NaN-free
+
+
+def write_to_pages(kv_pages: jax.Array, keys: jax.Array, values: jax.Array,
+                   slot_mapping: jax.Array) -> jax.Array:
+    """Writes new keys and values into their page slots.
+
+    Args:
+        kv_pages: `[P, page_size, 2K, H]` the pool (one layer's).
+        keys: `[T, K, H]` new keys, one per token.
+        values: `[T, K, H]` new values.
+        slot_mapping: `[T]` int32 flat slot `page * page_size + row` of each token; negative
+            slots (padding tokens) are dropped.
+
+    Returns:
+        The updated `[P, page_size, 2K, H]` pool.
+    """
+    num_pages, page_size, combined_heads, head_dim = kv_pages.shape
+    interleaved = jnp.stack([keys, values], axis=2).reshape(
+        keys.shape[0], combined_heads, head_dim).astype(kv_pages.dtype)  # [T, 2K, H]
+    flat = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)  # [P*ps, 2K, H]
+    # Negative slots become out of range so that mode="drop" skips them.
+    slots = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)  # [T]
+    flat = flat.at[slots].set(interleaved, mode="drop")
+    return flat.reshape(kv_pages.shape)
+
+
+def ragged_paged_attention_reference(
+    queries: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Attention of a ragged batch of query tokens to their sequences' paged keys.
+
+    Args:
+        queries: `[T, N, H]` packed query tokens of all sequences.
+        kv_pages: `[P, page_size, 2K, H]` the page pool, keys and values interleaved.
+        kv_lens: `[S]` int32 key count of each sequence (this step's tokens included).
+        page_indices: `[S, pages_per_seq]` int32 page table of each sequence.
+        cu_q_lens: `[S + 1]` int32 query offsets.
+        num_seqs: `[1]` int32 number of real sequences.
+        sm_scale: Softmax scale (usually head_dim ** -0.5).
+        sliding_window: Keys visible per query (itself included), or None for all.
+
+    Returns:
+        `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
+    """
+    num_tokens, num_heads, head_dim = queries.shape
+    num_kv_heads = kv_pages.shape[2] // 2
+    group = num_heads // num_kv_heads
+    max_seqs, pages_per_seq = page_indices.shape
+    page_size = kv_pages.shape[1]
+    max_len = pages_per_seq * page_size
+
+    token = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+    # Sequence of each token: the s with cu_q_lens[s] <= t < cu_q_lens[s + 1].
+    sequence = jnp.clip(jnp.searchsorted(cu_q_lens[1:], token, side="right"), 0,
+                        max_seqs - 1).astype(jnp.int32)  # [T]
+    real = token < cu_q_lens[num_seqs[0]]  # [T]
+    # A token's position: the sequence's new tokens are the last q_len of its kv_len keys.
+    position = kv_lens[sequence] - (cu_q_lens[sequence + 1] - token)  # [T]
+
+    gathered = kv_pages[page_indices].reshape(max_seqs, max_len, 2 * num_kv_heads,
+                                              head_dim)  # [S, L, 2K, H]
+    keys = gathered[:, :, 0::2][sequence].astype(jnp.float32)  # [T, L, K, H]
+    values = gathered[:, :, 1::2][sequence].astype(jnp.float32)  # [T, L, K, H]
+
+    grouped = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group,
+                                                  head_dim)  # [T, K, G, H]
+    scores = jnp.einsum("tkgh,tskh->tkgs", grouped, keys) * sm_scale  # [T, K, G, L]
+    key_position = jnp.arange(max_len, dtype=jnp.int32)  # [L]
+    distance = position[:, None] - key_position[None, :]  # [T, L]
+    visible = (distance >= 0) & (key_position[None, :] < kv_lens[sequence][:, None])  # [T, L]
+    if sliding_window is not None:
+        visible &= distance < sliding_window
+    visible &= real[:, None]
+    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)  # [T, K, G, L]
+    weights = jax.nn.softmax(scores, axis=-1)  # [T, K, G, L]
+    out = jnp.einsum("tkgs,tskh->tkgh", weights, values)  # [T, K, G, H]
+    out = jnp.where(real[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(queries.dtype)  # [T, N, H]

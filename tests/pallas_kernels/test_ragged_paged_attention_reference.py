@@ -1,0 +1,95 @@
+"""The ragged paged attention reference against a per-sequence loop over contiguous keys."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_to_pages
+
+
+def _loop_attention(queries, keys, values, positions, sliding_window):
+    """Plain numpy causal GQA of `[q, N, H]` queries at `positions` over `[k, K, H]` keys."""
+    num_heads, num_kv_heads = queries.shape[1], keys.shape[1]
+    group = num_heads // num_kv_heads
+    out = np.zeros_like(queries)
+    for i, position in enumerate(positions):
+        for head in range(num_heads):
+            k = keys[:, head // group]  # [k, H]
+            v = values[:, head // group]
+            scores = k @ queries[i, head] / np.sqrt(queries.shape[-1])  # [k]
+            visible = np.arange(len(k)) <= position
+            if sliding_window is not None:
+                visible &= position - np.arange(len(k)) < sliding_window
+            scores = np.where(visible, scores, -np.inf)
+            weights = np.exp(scores - scores.max())
+            out[i, head] = (weights / weights.sum()) @ v
+    return out
+
+
+def _case(rng, query_lens, context_lens, page_size, pages_per_seq, num_kv_heads=2, group=2,
+          head_dim=8, padded_tokens=0, padded_seqs=0):
+    """Random sequences written into shuffled pages; returns the op's inputs and per-seq data."""
+    num_heads = num_kv_heads * group
+    num_pages = 1 + len(query_lens) * pages_per_seq
+    free_pages = list(rng.permutation(np.arange(1, num_pages)))  # page 0 stays a null page
+    kv_pages = jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.float32)
+    page_table = np.zeros((len(query_lens) + padded_seqs, pages_per_seq), np.int32)
+    sequences, queries = [], []
+    for s, (q_len, context) in enumerate(zip(query_lens, context_lens, strict=True)):
+        kv_len = context + q_len
+        pages = [free_pages.pop() for _ in range(-(-kv_len // page_size))]
+        page_table[s, :len(pages)] = pages
+        keys = rng.normal(size=(kv_len, num_kv_heads, head_dim)).astype(np.float32)
+        values = rng.normal(size=(kv_len, num_kv_heads, head_dim)).astype(np.float32)
+        slots = np.asarray([pages[j // page_size] * page_size + j % page_size
+                            for j in range(kv_len)], np.int32)
+        kv_pages = write_to_pages(kv_pages, jnp.asarray(keys), jnp.asarray(values),
+                                  jnp.asarray(slots))
+        q = rng.normal(size=(q_len, num_heads, head_dim)).astype(np.float32)
+        queries.append(q)
+        sequences.append((keys, values, q, np.arange(context, kv_len)))
+    all_queries = np.concatenate(queries + [np.zeros((padded_tokens, num_heads, head_dim),
+                                                     np.float32)])
+    cu = np.concatenate([[0], np.cumsum(query_lens)] + [[sum(query_lens)]] * padded_seqs)
+    kv_lens = np.asarray([c + q for q, c in zip(query_lens, context_lens, strict=True)]
+                         + [0] * padded_seqs, np.int32)
+    inputs = (jnp.asarray(all_queries), kv_pages, jnp.asarray(kv_lens), jnp.asarray(page_table),
+              jnp.asarray(cu, jnp.int32), jnp.asarray([len(query_lens)], jnp.int32))
+    return inputs, sequences
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_mixed_prefill_and_decode_match_the_loop(page_size, sliding_window):
+    rng = np.random.default_rng(page_size)
+    # A fresh prefill, a chunk continuing a prefill, two decodes, one 1-token prompt.
+    query_lens, context_lens = [9, 6, 1, 1, 1], [0, 7, 20, 3, 0]
+    inputs, sequences = _case(rng, query_lens, context_lens, page_size,
+                              pages_per_seq=-(-27 // page_size), padded_tokens=5,
+                              padded_seqs=2)
+    out = np.asarray(ragged_paged_attention(*inputs, sm_scale=8 ** -0.5,
+                                            sliding_window=sliding_window))
+    start = 0
+    for keys, values, q, positions in sequences:
+        expected = _loop_attention(q, keys, values, positions, sliding_window)
+        np.testing.assert_allclose(out[start:start + len(q)], expected, atol=1e-5)
+        start += len(q)
+    assert np.all(out[start:] == 0.0)  # padding tokens
+
+
+def test_write_to_pages_interleaves_and_drops_padding():
+    pages = jnp.zeros((3, 2, 4, 1))  # [P, page_size, 2K, H], K = 2
+    keys = jnp.asarray([[[1.0], [2.0]], [[5.0], [6.0]]])  # [T=2, K, H]
+    values = keys + 10.0
+    out = np.asarray(write_to_pages(pages, keys, values, jnp.asarray([3, -1])))
+    np.testing.assert_array_equal(out[1, 1, :, 0], [1.0, 11.0, 2.0, 12.0])  # slot 3 = (1, 1)
+    assert np.count_nonzero(out) == 4  # the padding token wrote nothing
+
+
+def test_unknown_implementation_is_named():
+    rng = np.random.default_rng(0)
+    inputs, _ = _case(rng, [2], [0], page_size=4, pages_per_seq=1)
+    with pytest.raises(ValueError, match="unknown ragged paged attention implementation"):
+        ragged_paged_attention(*inputs, sm_scale=1.0, implementation="magic")
