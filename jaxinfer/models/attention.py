@@ -19,6 +19,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import cached_key_value, dtype_of, linear_input, make_param
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import constrain
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_to_pages
 
 _MASKED = -1e30  # Large negative rather than -inf so fully masked rows stay finite.
 
@@ -28,6 +29,24 @@ class LayerCache(NamedTuple):
 
     keys: jax.Array  # [B, S, K, H]
     values: jax.Array  # [B, S, K, H]
+
+
+class PagedBatch(NamedTuple):
+    """Where a ragged batch's tokens live in the page pool (all int32; see
+    `pallas_kernels.ragged_paged_attention.reference` for the layout)."""
+
+    slot_mapping: jax.Array  # [T] flat page slot each new token's K/V is written to; -1: pad
+    kv_lens: jax.Array  # [S] keys per sequence after this step
+    page_indices: jax.Array  # [S, pages_per_seq] page table per sequence
+    cu_q_lens: jax.Array  # [S + 1] query token offsets of each sequence
+    num_seqs: jax.Array  # [1] real sequences
+
+
+class PagedLayerCache(NamedTuple):
+    """One layer's pages `[P, page_size, 2K, H]` and the batch that reads and writes them."""
+
+    pages: jax.Array
+    batch: PagedBatch
 
 
 def dot_product_attention(
@@ -99,15 +118,16 @@ class Attention(nnx.Module):
         self,
         x: jax.Array,
         positions: jax.Array,
-        cache: LayerCache | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
+        cache: LayerCache | PagedLayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | PagedLayerCache | None]:
         """Attends the tokens `x` to themselves and to the cache.
 
         Args:
-            x: `[B, T, D]` hidden states.
-            positions: `[B, T]` int32 positions; with a cache they are also the slots the new
-                keys and values are written to (slots past the cache length are dropped).
-            cache: This layer's contiguous cache, or None to attend within `x` only.
+            x: `[B, T, D]` hidden states; with a paged cache, B = 1 and the T tokens are the
+                packed ragged batch described by `cache.batch`.
+            positions: `[B, T]` int32 positions; with a contiguous cache they are also the
+                slots the new keys and values are written to (slots past its end are dropped).
+            cache: This layer's contiguous or paged cache, or None to attend within `x` only.
 
         Returns:
             `([B, T, D]` outputs, the updated cache or None`)`.
@@ -124,6 +144,8 @@ class Attention(nnx.Module):
         keys = constrain(keys, ("batch", "length", "act_kv_heads", None))
         values = constrain(values, ("batch", "length", "act_kv_heads", None))
 
+        if isinstance(cache, PagedLayerCache):
+            return self._paged(queries, keys, values, cache)
         if cache is None:
             all_keys, all_values, key_positions = keys, values, positions
         else:
@@ -142,3 +164,17 @@ class Attention(nnx.Module):
         attended = linear_input(attended)  # [B, T, N, H]
         out = jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
         return out, cache  # [B, T, D]
+
+    def _paged(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
+               cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:
+        """Writes this step's K/V into the pages, then ragged paged attention over them."""
+        pages = write_to_pages(cache.pages, keys[0], values[0],
+                               cache.batch.slot_mapping)  # [P, page_size, 2K, H]
+        batch = cache.batch
+        attended = ragged_paged_attention(
+            queries[0], pages.astype(self.dtype), batch.kv_lens, batch.page_indices,
+            batch.cu_q_lens, batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
+            sliding_window=self.sliding_window)[None]  # [1, T, N, H]
+        attended = linear_input(attended)  # [1, T, N, H]
+        out = jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
+        return out, PagedLayerCache(pages, batch)  # [1, T, D]

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.attention import Attention, LayerCache
+from jaxinfer.models.attention import Attention, LayerCache, PagedBatch, PagedLayerCache
 from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_norm, make_param
 from jaxinfer.models.moe import MoEBlock
 from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
@@ -38,6 +38,42 @@ class KVCache(NamedTuple):
                          for _ in range(config.num_layers)))
 
 
+class PagedKVCache(NamedTuple):
+    """The engine's page pool: one `[P, page_size, 2K, H]` array per layer (page p is the same
+    slot of the same tokens in every layer), plus the step's `PagedBatch`."""
+
+    layers: tuple[jax.Array, ...]
+    batch: PagedBatch
+
+    @classmethod
+    def create(cls, config: ModelConfig, num_pages: int, page_size: int,
+               batch: PagedBatch, dtype: str | None = None) -> PagedKVCache:
+        """Allocates a zeroed pool of `num_pages` pages per layer."""
+        shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+        cache_dtype = dtype_of(dtype or config.dtype)
+        return cls(tuple(jnp.zeros(shape, cache_dtype) for _ in range(config.num_layers)),
+                   batch)
+
+
+AnyCache = KVCache | PagedKVCache
+
+
+def _layer_cache(cache: AnyCache | None, index: int) -> LayerCache | PagedLayerCache | None:
+    if cache is None:
+        return None
+    if isinstance(cache, PagedKVCache):
+        return PagedLayerCache(cache.layers[index], cache.batch)
+    return cache.layers[index]
+
+
+def _rebuild_cache(cache: AnyCache | None, layers: list) -> AnyCache | None:
+    if cache is None:
+        return None
+    if isinstance(cache, PagedKVCache):
+        return PagedKVCache(tuple(layer.pages for layer in layers), cache.batch)
+    return KVCache(tuple(layers))
+
+
 class DecoderBlock(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
@@ -47,8 +83,9 @@ class DecoderBlock(nnx.Module):
         self.post_attention_norm = make_norm(config, rngs=rngs)
         self.mlp = MoEBlock(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array,
-                 cache: LayerCache | None) -> tuple[jax.Array, LayerCache | None]:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache | PagedLayerCache | None
+    ) -> tuple[jax.Array, LayerCache | PagedLayerCache | None]:
         attended, cache = self.attention(self.input_norm(x), positions, cache)  # [B, T, D]
         x = constrain(x + attended, ("batch", "length", "act_embed"))  # [B, T, D]
         x = x + self.mlp(self.post_attention_norm(x))  # [B, T, D]
@@ -91,16 +128,17 @@ class Transformer(nnx.Module):
         self,
         token_ids: jax.Array,
         positions: jax.Array,
-        cache: KVCache | None = None,
+        cache: AnyCache | None = None,
         *,
         intermediates: list[jax.Array] | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+    ) -> tuple[jax.Array, AnyCache | None]:
         """Runs the blocks and the final norm.
 
         Args:
             token_ids: `[B, T]` int32.
             positions: `[B, T]` int32 absolute positions (also the cache slots written).
-            cache: A contiguous cache to read and update, or None.
+            cache: A contiguous cache, or the engine's paged cache (then B = 1: the tokens
+                are a packed ragged batch), to read and update; or None.
             intermediates: If given, receives every hidden state the outlier metrics look
                 at, each `[B, T, D]`: the embedding output, each block's residual-stream
                 output, and the final normed output (L + 2 arrays).
@@ -116,7 +154,7 @@ class Transformer(nnx.Module):
             intermediates.append(x)
         new_layers = []
         for index, block in enumerate(self.layers):
-            x, layer_cache = block(x, positions, None if cache is None else cache.layers[index])
+            x, layer_cache = block(x, positions, _layer_cache(cache, index))
             new_layers.append(layer_cache)
             if intermediates is not None:
                 intermediates.append(x)
@@ -125,7 +163,7 @@ class Transformer(nnx.Module):
             intermediates.append(x)
         if self.output_projection is not None:
             x = jnp.einsum("btd,de->bte", x, self.output_projection[...].astype(x.dtype))
-        return x, None if cache is None else KVCache(tuple(new_layers))
+        return x, _rebuild_cache(cache, new_layers)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Projects `[B, T, D]` hidden states to `[B, T, V]` float32 logits."""
@@ -138,7 +176,7 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "length", "act_vocab"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None,
-                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+                 cache: AnyCache | None = None) -> tuple[jax.Array, AnyCache | None]:
         """Returns `([B, T, V]` float32 logits, the updated cache or None`)`.
 
         `positions` defaults to 0..T-1 for every row (no cache, or an empty one).
