@@ -1,0 +1,34 @@
+"""The serving engine's host side: requests, the KV-cache block pool and manager, the scheduler.
+
+Everything re-exported here is pure Python (no jax), so the scheduler's tests run in
+milliseconds; the device side (runner, sampling, engine loop) lives in its own modules and is
+imported from them directly.
+"""
+
+from jaxinfer.engine.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
+from jaxinfer.engine.kv_cache_manager import KVCacheManager, hash_block
+from jaxinfer.engine.request import Request, RequestStatus
+from jaxinfer.engine.scheduler import (
+    RequestOutput,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerConfigError,
+    SchedulerOutput,
+)
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "BlockPool",
+    "KVCacheManager",
+    "NoFreeBlocksError",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerConfigError",
+    "SchedulerOutput",
+    "hash_block",
+]

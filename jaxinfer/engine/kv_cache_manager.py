@@ -1,0 +1,252 @@
+"""Per-request block tables over the BlockPool, with a hash-chained prefix cache of full blocks.
+
+A request's block table lists the physical blocks that hold its tokens: token `p` lives in slot
+`p % block_size` of block `table[p // block_size]`. The prefix cache lets a new request start
+from blocks another request already wrote, when their tokens (and everything before them) match.
+
+Invariants:
+
+- A table holds exactly `ceil(tokens_allocated / block_size)` blocks, where tokens_allocated
+  is the request's computed tokens plus those scheduled this step; `allocate_slots` grows it all
+  at once or not at all.
+- Only FULL blocks are hashed and cached, and only once every token in them is computed
+  (`cache_full_blocks`, called after the step that wrote them). A partially filled block is
+  never shared, so a block that is cached is never written again: new tokens always go to
+  blocks past the shared prefix.
+- Block `i`'s hash chains block `i - 1`'s hash with block `i`'s tokens (`hash_block`), so equal
+  hashes mean equal whole prefixes, not just equal blocks. The request's `cache_salt`, if any,
+  goes into block 0's hash.
+- A hash is registered once: if an identical block is already cached (two requests computed
+  the same prefix at the same time), the first stays cached and the duplicate stays private to
+  its request, going back to the free list when released.
+- A prefix hit never covers the whole request: at least its last known token is recomputed so
+  that the step that computes it has logits to sample the next token from.
+- Each table entry holds one reference on its block; `free` drops them, last block first, so the
+  request's tail is evicted before its head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from jaxinfer.engine.block_pool import BlockPool
+from jaxinfer.engine.request import Request
+
+BlockHash = bytes
+
+
+def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int],
+               extra: object = None) -> BlockHash:
+    """Returns the chained hash of one full block of tokens.
+
+    SHA-256 over a tagged, length-prefixed encoding, so the hash is the same in every process
+    and on every machine, and collisions are not a practical concern (a collision would make a
+    request read another prompt's keys and values).
+
+    Args:
+        parent_hash: The previous block's hash, or None for a request's first block.
+        token_ids: The block's tokens (each fits in a signed 64-bit integer).
+        extra: Anything else that changes the block's keys and values (a cache salt, an adapter
+            id); it enters as `repr(extra)`, so use values with a stable repr (str, int, tuples
+            of those). None adds nothing.
+
+    Returns:
+        The 32-byte digest.
+    """
+    digest = hashlib.sha256()
+    if parent_hash is None:
+        digest.update(b"\x00")
+    else:
+        digest.update(b"\x01" + len(parent_hash).to_bytes(4, "little") + parent_hash)
+    digest.update(len(token_ids).to_bytes(4, "little"))
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra is not None:
+        encoded = repr(extra).encode()
+        digest.update(b"\x02" + len(encoded).to_bytes(4, "little") + encoded)
+    return digest.digest()
+
+
+class KVCacheManager:
+    """Block tables for the scheduler's requests, backed by one BlockPool.
+
+    Attributes:
+        block_size: Token slots per block.
+        enable_prefix_caching: Whether full blocks are cached and reused across requests.
+        block_pool: The pool the blocks come from.
+        prefix_cache_queries: Known tokens of every request admitted with `allocate_slots`
+            (counted at each admission, re-admissions after preemption included).
+        prefix_cache_hits: Of those, the tokens that came from the prefix cache.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        """Creates a manager over `num_blocks` blocks (block 0 reserved as the null block).
+
+        Raises:
+            ValueError: `block_size` is not a positive integer or `num_blocks` < 2.
+        """
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size = {block_size!r}: must be a positive integer")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._block_tables: dict[str, list[int]] = {}
+        # Hash chain over each request's known full blocks, extended lazily.
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        # How many leading blocks of each table cache_full_blocks has already handled.
+        self._num_handled_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (free plus evictable)."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by requests' block tables, in [0, 1]."""
+        return 1.0 - self.block_pool.num_free_blocks / self.block_pool.capacity
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of admitted tokens served by the prefix cache (0 before any admission)."""
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        """Returns a copy of the request's block table (empty if it holds no blocks)."""
+        return list(self._block_tables.get(request_id, ()))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Finds the longest cached prefix of the request's full blocks.
+
+        The hit stops at the first block that is not cached and never includes the block of the
+        last known token, which must be recomputed to sample from. The blocks are not
+        referenced yet: pass them to `allocate_slots` before anything else allocates.
+
+        Args:
+            request: A request that holds no blocks (waiting or preempted).
+
+        Returns:
+            The cached block ids, in order, and the number of tokens they hold.
+
+        Raises:
+            ValueError: The request already holds blocks.
+        """
+        if request.request_id in self._block_tables:
+            raise ValueError(f"request {request.request_id!r} already holds blocks; only "
+                             "requests being admitted look up the prefix cache")
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._request_block_hashes(request, max_hit_blocks)
+        blocks = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block_id = self.block_pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Makes room for `num_new_tokens` more tokens of the request, all or nothing.
+
+        Args:
+            request: The request; its `num_computed_tokens` tokens are already in its blocks.
+            num_new_tokens: Tokens to be computed this step, after the prefix-cache hit.
+            new_computed_blocks: On admission only, the prefix-cache hit from
+                `get_computed_blocks`; they are referenced and put at the head of the table.
+
+        Returns:
+            The newly allocated block ids (possibly an empty list: test with `is None`), or
+            None if the pool cannot provide them, in which case nothing changed.
+
+        Raises:
+            ValueError: The blocks would cover more than the request's known tokens, or
+                computed blocks are passed for a request that already holds blocks.
+        """
+        table = self._block_tables.get(request.request_id)
+        if new_computed_blocks and table is not None:
+            raise ValueError(f"request {request.request_id!r} already holds blocks; computed "
+                             "blocks are only accepted on admission")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens = {num_new_tokens}: must be >= 0")
+        num_held = len(table) if table else 0
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        num_total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        if num_total_tokens > request.num_tokens:
+            raise ValueError(f"request {request.request_id!r}: {num_total_tokens} tokens asked "
+                             f"for, only {request.num_tokens} are known")
+        num_needed = -(-num_total_tokens // self.block_size)
+        num_new_blocks = max(num_needed - num_held - len(new_computed_blocks), 0)
+        # Hit blocks sitting in the LRU count as free, but touching them takes them out of it,
+        # so they cannot also be handed out as new blocks.
+        num_evictable_hits = sum(1 for block_id in new_computed_blocks
+                                 if self.block_pool.is_evictable(block_id))
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            return None
+
+        if table is None:
+            table = self._block_tables[request.request_id] = []
+            self._num_handled_blocks[request.request_id] = 0
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_hit_tokens
+        # Touch before allocating, so the allocation cannot evict the hit it is extending.
+        self.block_pool.touch(new_computed_blocks)
+        table.extend(new_computed_blocks)
+        self._num_handled_blocks[request.request_id] += len(new_computed_blocks)
+        new_blocks = self.block_pool.allocate(num_new_blocks)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the request's full, computed blocks in the prefix cache.
+
+        Call it after the step that computed the tokens has run (the scheduler does so in
+        `update_from_output`), so that a cached block always holds its keys and values.
+        Blocks handled before are skipped; a block whose hash another block already holds
+        stays uncached.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self._block_tables.get(request.request_id)
+        if not table:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        first = self._num_handled_blocks[request.request_id]
+        if num_full <= first:
+            return
+        hashes = self._request_block_hashes(request, num_full)
+        for index in range(first, num_full):
+            self.block_pool.cache_block(table[index], hashes[index])
+        self._num_handled_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, last first, and forgets its hashes.
+
+        Cached blocks stay in the prefix cache (evictable) once no table holds them. Freeing a
+        request that holds no blocks does nothing.
+        """
+        table = self._block_tables.pop(request.request_id, [])
+        self._block_hashes.pop(request.request_id, None)
+        self._num_handled_blocks.pop(request.request_id, None)
+        self.block_pool.free(reversed(table))
+
+    def _request_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Returns the request's hash chain, extended to at least `num_blocks` full blocks."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        num_blocks = min(num_blocks, request.num_tokens // self.block_size)
+        tokens = request.all_token_ids
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else None
+            extra = request.cache_salt if index == 0 else None
+            block_tokens = tokens[index * self.block_size:(index + 1) * self.block_size]
+            hashes.append(hash_block(parent, block_tokens, extra))
+        return hashes

@@ -1,0 +1,432 @@
+"""The continuous-batching scheduler, in vLLM v1's shape: one token budget per step.
+
+Each `schedule()` call spends at most `max_num_batched_tokens` tokens. Running requests come
+first, in order: each gets all of its uncomputed known tokens, capped by what is left of the
+budget (1 for a decode, a chunk for an unfinished prefill, so chunked prefill falls out of the
+budget). Then waiting requests are admitted in FIFO order, each starting after its prefix-cache
+hit, while budget, `max_num_seqs` and pages last; the queue's head blocks the rest (no
+overtaking), and nothing is admitted in a step that had to preempt.
+
+When a running request cannot get its pages, the newest running request is preempted: its pages
+are released, its `num_computed_tokens` reset to 0, and it goes to the front of the waiting
+queue, keeping its sampled tokens, which are recomputed with its prompt when it is readmitted.
+This repeats until the request fits or is itself the one preempted.
+
+The engine loop alternates `schedule()` -> run the model -> `update_from_output()`; every
+non-empty SchedulerOutput must be run and reported before the next `schedule()`, which is what
+makes it safe to hand out and cache blocks on the host before the device has written them.
+
+Invariants: every added request is in exactly one of `waiting` and `running` until it finishes
+or is aborted, and then in neither; a finished or aborted request holds no pages, so once every
+request is done the pool's `num_free_blocks` equals its capacity.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from jaxinfer.engine.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.request import Request, RequestStatus
+
+
+class SchedulerConfigError(ValueError):
+    """A scheduler configuration field has a bad value."""
+
+
+def _fail(field: str, value: Any, why: str) -> SchedulerConfigError:
+    return SchedulerConfigError(f"scheduler config field {field!r} = {value!r}: {why}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one scheduling step and of the KV cache.
+
+    Attributes:
+        max_num_batched_tokens: Token budget of one step (prefill chunks and decodes together).
+        max_num_seqs: Most requests running at once.
+        block_size: Token slots per KV-cache block.
+        num_blocks: Blocks in the pool, including the reserved null block 0.
+        enable_prefix_caching: Whether full prompt blocks are shared between requests.
+        max_model_len: Longest sequence (prompt plus outputs); a request stops with
+            FINISHED_LENGTH when it gets there.
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises SchedulerConfigError naming the first field whose value is invalid."""
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_blocks",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _fail(name, value, "must be a positive integer")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise _fail("enable_prefix_caching", self.enable_prefix_caching, "must be a bool")
+        if self.max_model_len < 2:
+            raise _fail("max_model_len", self.max_model_len,
+                        "must be >= 2 (one prompt token and one output token)")
+        # Below this, the requests past the budget would starve behind the ones before them.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise _fail("max_num_batched_tokens", self.max_num_batched_tokens,
+                        f"must be >= max_num_seqs = {self.max_num_seqs}, so that every running "
+                        "request can decode in each step")
+        # A request alone must always fit, or preemption could never make it progress.
+        needed = self.max_blocks_per_request + 1
+        if self.num_blocks < needed:
+            raise _fail("num_blocks", self.num_blocks,
+                        f"must be >= {needed}: one max_model_len = {self.max_model_len} sequence "
+                        f"needs {needed - 1} blocks of {self.block_size} tokens, plus the null "
+                        "block")
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        """Most blocks one request's table can hold (a max_model_len sequence)."""
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    """What the runner needs to compute one request's share of a step.
+
+    Attributes:
+        request_id: The request.
+        token_ids: Tokens to feed this step.
+        positions: Their positions, `start .. start + len(token_ids) - 1`, where start is the
+            request's computed tokens before this step.
+        block_table: The request's blocks, covering every position up to the last one fed.
+        needs_sample: Whether the chunk reaches the request's last known token, so that a token
+            must be sampled from its last position; False for a prefill chunk that stops early.
+        num_output_tokens: Tokens the request had sampled before this step (the index of the
+            token sampled now, e.g. to derive a per-request PRNG key that survives preemption).
+        sampling_params: The request's sampling parameters, as given.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    positions: list[int]
+    block_table: list[int]
+    needs_sample: bool
+    num_output_tokens: int
+    sampling_params: Any
+
+    @property
+    def start_position(self) -> int:
+        """Position of the first token fed (the request's computed tokens before this step)."""
+        return self.positions[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed this step."""
+        return len(self.token_ids)
+
+    @property
+    def context_length(self) -> int:
+        """Tokens in the KV cache once this step has run (the last position plus one)."""
+        return self.positions[-1] + 1
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's batch.
+
+    Attributes:
+        scheduled_requests: The requests to run, running ones first, then newly admitted ones.
+        num_scheduled_tokens: Tokens fed this step, over all requests (<= the budget).
+        preempted_request_ids: Requests preempted in this step.
+        finished_request_ids: Requests that finished or were aborted since the previous step,
+            so that the runner can drop whatever it keeps per request.
+    """
+
+    scheduled_requests: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    preempted_request_ids: list[str]
+    finished_request_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether nothing is to be run."""
+        return not self.scheduled_requests
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """New tokens of one request after a step.
+
+    Attributes:
+        request_id: The request.
+        new_token_ids: Tokens sampled this step and kept (none after a stop token).
+        status: The request's status after the step.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    status: RequestStatus
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request finished in this step."""
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style reason ("stop", "length"), or None while the request runs on."""
+        return self.status.finish_reason
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests to compute.
+
+    Attributes:
+        config: The limits.
+        kv_cache_manager: Block tables and prefix cache of the scheduler's requests.
+        waiting: Requests to admit, in order (preempted ones at the front).
+        running: Admitted requests, oldest admission first.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        """Creates an idle scheduler with an empty pool."""
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._finished_since_last_step: list[str] = []
+        # The non-empty output that still awaits update_from_output, and the request objects
+        # it scheduled (an id aborted and then reused must not receive the old step's tokens).
+        self._pending_output: SchedulerOutput | None = None
+        self._pending_requests: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request at the back of the waiting queue.
+
+        Raises:
+            ValueError: The id is already in use, the request is not fresh (WAITING, nothing
+                computed or sampled), or its prompt leaves no room for an output token within
+                max_model_len.
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
+                or request.output_token_ids):
+            raise ValueError(f"request {request.request_id!r} is not fresh: {request!r}")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt of "
+                             f"{request.num_prompt_tokens} tokens leaves no room for output "
+                             f"within max_model_len = {self.config.max_model_len}")
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Ends a request now, wherever it is, and releases its pages.
+
+        Tokens the runner returns for it from an already scheduled step are ignored.
+
+        Returns:
+            True if the request was unfinished; False if the id is unknown (e.g. the request
+            already finished, which a client's late cancel can race with).
+        """
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def get_request(self, request_id: str) -> Request | None:
+        """Returns the unfinished request with that id, or None."""
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests waiting or running."""
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's tokens: running requests first, then waiting ones (FIFO).
+
+        Returns:
+            The batch. The requests' `num_computed_tokens` already count its tokens.
+
+        Raises:
+            RuntimeError: The previous non-empty output was not reported with
+                `update_from_output`.
+        """
+        if self._pending_output is not None:
+            raise RuntimeError("schedule() called before update_from_output() reported the "
+                               "previous step")
+        manager = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while manager.allocate_slots(request, num_new_tokens) is None:
+                # The newest running request is at the end; it was not chosen yet, because
+                # requests are chosen in order and it is at or after `index`.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                chosen.append((request, num_new_tokens))
+                budget -= num_new_tokens
+                index += 1
+                continue
+            break  # The request preempted itself, so it was the last running one.
+
+        # Admitting while preempting would only take pages a running request is short of.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            chosen.append((request, num_new_tokens))
+            budget -= num_new_tokens
+
+        scheduled = [self._describe(request, num_new_tokens)
+                     for request, num_new_tokens in chosen]
+        output = SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_request_ids=[request.request_id for request in preempted],
+            finished_request_ids=self._finished_since_last_step,
+        )
+        self._finished_since_last_step = []
+        if scheduled:
+            self._pending_output = output
+            self._pending_requests = {request.request_id: request for request, _ in chosen}
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[RequestOutput]:
+        """Records a step's sampled tokens, finishes requests that stop, caches full blocks.
+
+        Args:
+            scheduler_output: The output of the latest `schedule()`.
+            sampled_token_ids: For each scheduled request with `needs_sample`, its sampled
+                tokens (usually one); requests aborted since the step was scheduled may be
+                present or not and are ignored.
+
+        Returns:
+            One RequestOutput per request that got tokens, in scheduling order.
+
+        Raises:
+            RuntimeError: `scheduler_output` is not the output awaiting its update.
+            ValueError: Tokens are missing for a request that needs a sample, or given for one
+                that does not or was not scheduled; nothing is changed then.
+        """
+        if scheduler_output is not self._pending_output:
+            if scheduler_output.is_empty and not sampled_token_ids:
+                return []
+            raise RuntimeError("this SchedulerOutput is not the one awaiting its update")
+        needs_sample = {scheduled.request_id: scheduled.needs_sample
+                        for scheduled in scheduler_output.scheduled_requests}
+        for request_id, tokens in sampled_token_ids.items():
+            if not needs_sample.get(request_id, False) and tokens:
+                raise ValueError(f"request {request_id!r} was not scheduled to sample, "
+                                 f"yet got tokens {list(tokens)}")
+        live = {request_id: request for request_id, request in self._pending_requests.items()
+                if self._requests.get(request_id) is request}
+        for request_id, sample in needs_sample.items():
+            if sample and request_id in live and not sampled_token_ids.get(request_id):
+                raise ValueError(f"request {request_id!r} needs a sampled token and got none")
+        self._pending_output = None
+        self._pending_requests = {}
+
+        outputs = []
+        for scheduled in scheduler_output.scheduled_requests:
+            request = live.get(scheduled.request_id)
+            if request is None:
+                continue  # Aborted after this step was scheduled.
+            # The step has run, so the blocks its tokens filled hold their keys and values.
+            self.kv_cache_manager.cache_full_blocks(request)
+            if not scheduled.needs_sample:
+                continue
+            new_tokens = []
+            status = RequestStatus.RUNNING
+            for token in sampled_token_ids[scheduled.request_id]:
+                request.append_output_token(token)
+                new_tokens.append(request.output_token_ids[-1])
+                status = self._stop_status(request)
+                if status.is_finished:
+                    break
+            if status.is_finished:
+                del self._requests[request.request_id]
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(RequestOutput(request.request_id, new_tokens, status))
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+
+    def _describe(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        """Builds the request's ScheduledRequest and counts its tokens as computed."""
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            positions=list(range(start, end)),
+            block_table=self.kv_cache_manager.get_block_table(request.request_id),
+            needs_sample=end == request.num_tokens,
+            num_output_tokens=request.num_output_tokens,
+            sampling_params=request.sampling_params,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Releases a running request's pages and puts it at the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _stop_status(self, request: Request) -> RequestStatus:
+        """Returns the status after the request's latest token: a FINISHED_* one or RUNNING."""
+        if not request.ignore_eos and request.output_token_ids[-1] in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return RequestStatus.RUNNING
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Marks a request finished (already out of every queue) and releases its pages."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._finished_since_last_step.append(request.request_id)
