@@ -1,0 +1,127 @@
+"""The engine against reference generation: mixed lengths, random arrivals, tiny chunks,
+preemption, prefix caching on and off, aborts; no leaked pages; no compilation after warm-up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxinfer.config import get_preset
+from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.runner import SequenceSampling
+from jaxinfer.generate import generate
+from jaxinfer.models import create_model
+
+NEW_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(get_preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    """64 prompts of 1 to 500 tokens (some sharing prefixes) and their reference outputs."""
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 512) for _ in range(100)]
+    prompts = []
+    for index in range(64):
+        length = rng.choice([1, 2, 7, 33, 120, 260, 500]) if index % 4 else rng.randint(1, 500)
+        prompt = [rng.randrange(3, 512) for _ in range(length)]
+        if index % 5 == 0 and length > 100:
+            prompt[:100] = shared  # a common system prompt
+        prompts.append(prompt)
+    expected = generate(model, prompts, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+    arrivals = sorted(rng.randrange(0, 60) for _ in prompts)
+    return prompts, expected, arrivals
+
+
+def _run(engine, prompts, arrivals, abort=()):
+    outputs = {str(i): [] for i in range(len(prompts))}
+    pending = list(range(len(prompts)))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            index = pending.pop(0)
+            engine.add_request(str(index), prompts[index], max_tokens=NEW_TOKENS,
+                               eos_token_ids=())
+        for request_id, at_step in abort:
+            if at_step == step:
+                engine.abort_request(request_id)
+        for output in engine.step():
+            outputs[output.request_id] += output.new_token_ids
+        step += 1
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("setting", [
+    dict(enable_prefix_caching=True),
+    dict(enable_prefix_caching=False),
+    dict(enable_prefix_caching=True, num_pages=40),  # ~1.2 max-length sequences: preemption
+], ids=["prefix-cache", "no-prefix-cache", "preemption"])
+def test_engine_equals_reference_generation(model, workload, setting):
+    prompts, expected, arrivals = workload
+    config = EngineConfig(page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
+                          max_model_len=512, **setting)
+    engine = Engine(model, config)
+    assert _run(engine, prompts, arrivals) == expected
+    assert engine.num_free_pages == engine.config.num_pages - 1  # nothing leaked
+    if setting["enable_prefix_caching"] and "num_pages" not in setting:
+        assert engine.prefix_cache_hit_rate > 0
+    assert (engine.num_preemptions > 0) == ("num_pages" in setting)
+
+
+def test_aborts_in_prefill_and_decode_free_everything(model, workload):
+    prompts, expected, arrivals = workload
+    engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=48,
+                                        max_num_seqs=8, max_model_len=512))
+    aborted = {"0": 3, "5": 40, "6": 41, "63": 200}  # some mid-prefill, some mid-decode
+    got = _run(engine, prompts, arrivals, abort=aborted.items())
+    for index, tokens in enumerate(got):
+        if str(index) not in aborted:
+            assert tokens == expected[index]
+        else:
+            assert tokens == expected[index][:len(tokens)]
+    assert engine.num_free_pages == engine.config.num_pages - 1
+
+
+def test_no_compilation_after_warm_up_and_batch_invariant_seeds(model):
+    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=32,
+                                        max_num_seqs=4, max_model_len=128))
+    engine.warm_up()
+    compiled = engine.runner.compilations
+    sampling = SequenceSampling(temperature=0.8, top_k=40, top_p=0.95, seed=7)
+    engine.add_request("alone", [1, 2, 3, 4, 5], sampling, max_tokens=8, eos_token_ids=())
+    alone = _collect(engine)["alone"]
+    rng = random.Random(1)
+    for index in range(12):
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 90))]
+        engine.add_request(f"other{index}", prompt, SequenceSampling(temperature=1.0,
+                                                                    seed=index),
+                           max_tokens=rng.randint(1, 12), eos_token_ids=())
+    engine.add_request("crowded", [1, 2, 3, 4, 5], sampling, max_tokens=8, eos_token_ids=())
+    assert _collect(engine)["crowded"] == alone
+    assert engine.runner.compilations == compiled
+
+
+def _collect(engine):
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return outputs
+
+
+def test_bad_requests_are_rejected_and_the_rest_carry_on(model):
+    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=32,
+                                        max_num_seqs=4, max_model_len=64))
+    engine.add_request("good", [1, 2, 3], max_tokens=3, eos_token_ids=())
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 512\)"):
+        engine.add_request("bad", [1, 9999], max_tokens=3)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", [1], max_tokens=3)
+    with pytest.raises(ValueError, match="no room for output"):
+        engine.add_request("long", [1] * 64, max_tokens=3)
+    assert len(_collect(engine)["good"]) == 3
