@@ -1,34 +1,32 @@
-"""`make demo`: build a checkpoint, then generate from it with the `jaxinfer` command line.
+"""`make demo`: generate text with the built-in demo model through the `jaxinfer` CLI.
 
-Until the built-in demo model (trained by `train_distill`) and the server land, the demo runs
-the whole load-and-generate path on a randomly initialized `tiny` preset: it exports the
-model as a Hugging Face checkpoint directory, then calls `jaxinfer generate` on it, which
-loads the safetensors, prefills, decodes greedily and prints the tokens as JSON. The tokens
-are those of a random model, so they carry no meaning; the path they travel is the real one.
+The demo model (`builtin:demo`, 8.4M parameters) was trained by this repository's
+`train_distill` on the Python 3.11 documentation and ships in
+`jaxinfer/builtin_models/demo/`. Until the serving issue replaces this with the server, the
+demo is one greedy generation from `jaxinfer generate`.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-from checkpoints import save_hf_checkpoint
-from jaxinfer.config import get_preset
-from jaxinfer.models import create_model
-
-DEMO_DIRECTORY = Path(".demo/tiny-random")
+PROMPTS = ("The list type is", "To open a file, use the")
 
 
 def main() -> int:
-    """Exports the demo checkpoint if needed and runs one generation through the CLI."""
-    if not (DEMO_DIRECTORY / "config.json").exists():
-        print(f"writing a random 'tiny' checkpoint to {DEMO_DIRECTORY}/", flush=True)
-        save_hf_checkpoint(create_model(get_preset("tiny"), seed=0), DEMO_DIRECTORY)
-    command = [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(DEMO_DIRECTORY),
-               "--prompt-token-ids", "1,15,27,99", "--max-tokens", "16", "--json"]
-    print("$ jaxinfer " + " ".join(command[3:]), flush=True)
-    return subprocess.call(command)
+    """Runs one generation per prompt and prints it."""
+    for prompt in PROMPTS:
+        command = [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", "builtin:demo",
+                   "--prompt", prompt, "--max-tokens", "48"]
+        print(f"$ jaxinfer generate --model builtin:demo --prompt {prompt!r} --max-tokens 48",
+              flush=True)
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode:
+            print(result.stderr, file=sys.stderr)
+            return result.returncode
+        print(prompt + result.stdout, flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="continue one prompt with a model",
                                    description="Continue one prompt with a model.")
     parser.add_argument("--model", required=True,
-                        help="HF checkpoint directory, jaxinfer checkpoint, or random:PRESET")
+                        help="HF checkpoint directory, jaxinfer checkpoint, builtin:demo "
+                             "or random:PRESET")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (default: read stdin)")
     prompt.add_argument("--prompt-token-ids", type=_parse_token_ids,
@@ -56,11 +57,11 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     # Imported here so that `jaxinfer --help` answers without initializing jax.
     from jaxinfer.generate import SamplingConfig, generate
-    from jaxinfer.model_loading import load_model
+    from jaxinfer.model_loading import load_model, resolve_model_path
     from jaxinfer.tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(resolve_model_path(args.model))
     except FileNotFoundError:
         tokenizer = None
     if args.prompt_token_ids is not None:

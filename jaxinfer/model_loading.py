@@ -16,6 +16,26 @@ from checkpoints.orbax_io import CONFIG_FILE as ORBAX_CONFIG_FILE
 from jaxinfer.config import PRESETS, get_preset
 from jaxinfer.models import Transformer, create_model
 
+# Models trained by `train_distill` and shipped inside the package (see its README.md).
+BUILTIN_DIRECTORY = Path(__file__).parent / "builtin_models"
+BUILTIN_MODELS = {"demo": "demo"}
+
+
+def resolve_model_path(model: str | os.PathLike[str]) -> Path:
+    """Maps `builtin:NAME` to its shipped directory; other names are paths.
+
+    Raises:
+        FileNotFoundError: An unknown builtin name (the known ones are listed).
+    """
+    name = str(model)
+    if name.startswith("builtin:"):
+        builtin = name.removeprefix("builtin:")
+        if builtin not in BUILTIN_MODELS:
+            raise FileNotFoundError(f"unknown builtin model {builtin!r}; known: "
+                                    f"{sorted(BUILTIN_MODELS)}")
+        return BUILTIN_DIRECTORY / BUILTIN_MODELS[builtin]
+    return Path(name)
+
 
 def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
                layout: str = "tensor_parallel", **config_overrides: Any) -> Transformer:
@@ -23,8 +43,8 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
 
     Args:
         model: A Hugging Face checkpoint directory (config.json + safetensors), a directory
-            written by `checkpoints.save_model`, or `random:PRESET` for a randomly initialized
-            preset (tests and benchmarks).
+            written by `checkpoints.save_model`, `builtin:demo` (the
+            shipped demo models), or `random:PRESET` for a randomly initialized preset.
         mesh: Optional device mesh to place the parameters on.
         layout: Sharding layout for `mesh`.
         **config_overrides: ModelConfig fields, e.g. `dtype="bfloat16"` (HF directories only).
@@ -39,7 +59,7 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
         if config_overrides:
             config = config.replace(**config_overrides)
         return create_model(config, mesh=mesh, layout=layout)
-    path = Path(name)
+    path = resolve_model_path(name)
     if (path / CONFIG_FILE).exists():
         return load_hf_checkpoint(path, mesh=mesh, layout=layout, **config_overrides)
     if (path / ORBAX_CONFIG_FILE).exists():
