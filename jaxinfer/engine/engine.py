@@ -1,28 +1,40 @@
-"""The synchronous engine loop: schedule on the host, run one device step, update.
+"""The synchronous engine loop: schedule on the host, run one device step, process outputs.
 
-    engine = Engine(model, EngineConfig(max_num_seqs=16))
-    engine.add_request("a", [1, 450, 7483], SequenceSampling(), max_tokens=32)
+    engine = Engine(model, EngineConfig(max_num_seqs=16), tokenizer=tokenizer)
+    engine.add_request("a", "The list type", SamplingParams(max_tokens=32, stop=["\\n\\n"]))
     while engine.has_unfinished_requests():
         for output in engine.step():
-            ...  # output.request_id, output.new_token_ids, output.finished
+            ...  # a jaxinfer.engine.outputs.RequestOutput, cumulative so far
 
-`step()` is vLLM v1's loop body: `Scheduler.schedule()` decides which tokens of which
-requests to compute within the token budget; `ModelRunner.execute` packs them, runs the
-jitted step over the paged cache and samples; `Scheduler.update_from_output` appends the
-tokens, stops finished requests and releases their pages. The scheduler never touches device
-arrays and the runner never makes scheduling decisions.
+`step()` is vLLM v1's loop body: `Scheduler.schedule()` decides which tokens of which requests
+to compute within the token budget; `ModelRunner.execute` packs them, runs the jitted step over
+the paged cache and samples; `Scheduler.update_from_output` appends the tokens, stops requests
+on stop tokens and lengths and releases their pages; then each sample's `SampleState`
+detokenizes, looks for stop strings (a match aborts the scheduler request at once, freeing its
+pages) and collects logprobs. The scheduler never touches device arrays and the runner never
+makes scheduling decisions.
+
+A request with `n > 1` becomes n scheduler requests ("ID#0", "ID#1", ...). With prefix caching
+on, the first one runs alone until its prompt is computed, and the others are admitted after
+it, so they find every full prompt block in the prefix cache and share those pages (reference
+counted) instead of computing and storing the prompt n times.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
+import numpy as np
+
+from jaxinfer.engine.output_processor import SampleState
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.runner import ModelRunner, RunnerConfig
-from jaxinfer.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from jaxinfer.engine.runner import ModelRunner, PromptLogprobs, RunnerConfig, SampledToken
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.models import Transformer
+from jaxinfer.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,7 +49,10 @@ class EngineConfig:
         max_num_seqs: Most requests running at once.
         max_model_len: Longest sequence; None means the model's max_position_embeddings.
         enable_prefix_caching: Share the KV pages of identical full prompt blocks.
+        enable_prompt_logprobs: Compile the step variant that can return prompt logprobs
+            (doubles warm-up); requests asking for them are rejected without it.
         cache_dtype: KV page dtype; None means the model's compute dtype.
+        min_token_bucket: The smallest padded token count of a step.
     """
 
     page_size: int = 16
@@ -46,7 +61,9 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enable_prompt_logprobs: bool = True
     cache_dtype: str | None = None
+    min_token_bucket: int = 8
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """This config with the None fields filled in for a model."""
@@ -56,11 +73,71 @@ class EngineConfig:
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
 
 
+class _RequestState:
+    """One user request: its prompt, parameters, samples and prompt logprobs."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer: Tokenizer | None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.samples = [SampleState(index, prompt_token_ids, tokenizer, params.stop_strings,
+                                    params.include_stop_str_in_output,
+                                    params.skip_special_tokens) for index in range(params.n)]
+        # vLLM's format: None for the first prompt token, then a dict per prompt token.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            None if params.prompt_logprobs is None else [None])
+        self.deferred: list[Request] = []  # samples waiting for the prompt to be cached
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.finished for sample in self.samples)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Records a chunk's prompt logprobs (positions already known, e.g. recomputed after a
+        preemption, are skipped)."""
+        known = len(self.prompt_logprobs)
+        top = self.params.prompt_logprobs
+        for row in range(len(chunk.logprobs)):
+            position = chunk.first_position + row
+            if position < known:
+                continue
+            token = self.prompt_token_ids[position]
+            self.prompt_logprobs.append(_logprob_dict(
+                token, float(chunk.logprobs[row]), chunk.top_token_ids[row][:top],
+                chunk.top_logprobs[row][:top]))
+
+    def output(self) -> RequestOutput:
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(
+                self.prompt_token_ids):
+            prompt_logprobs = list(self.prompt_logprobs)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
+                             [sample.output() for sample in self.samples], self.finished,
+                             prompt_logprobs=prompt_logprobs)
+
+
+def _logprob_dict(token_id: int, logprob: float, top_ids: np.ndarray,
+                  top_values: np.ndarray) -> dict[int, float]:
+    """{chosen token: logprob, then the top alternatives}, as vLLM reports one position."""
+    entry = {int(token_id): logprob}
+    for top_id, value in zip(top_ids.tolist(), top_values.tolist(), strict=True):
+        entry.setdefault(int(top_id), float(value))
+    return entry
+
+
 class Engine:
     """Continuous batching over one model: add requests at any time, call `step()`."""
 
-    def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
         """Builds the scheduler, the page pool and the jitted step (not yet compiled).
+
+        Args:
+            model: The model to serve.
+            config: Engine options.
+            tokenizer: For text prompts, output text and stop strings; None serves token ids.
 
         Raises:
             ValueError: An invalid config (the field is named).
@@ -68,6 +145,7 @@ class Engine:
         config = (config or EngineConfig()).resolved(model.config.max_position_embeddings)
         self.config = config
         self.model_config = model.config
+        self.tokenizer = tokenizer
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, block_size=config.page_size,
@@ -77,7 +155,10 @@ class Engine:
             num_pages=config.num_pages, page_size=config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            cache_dtype=config.cache_dtype))
+            cache_dtype=config.cache_dtype, min_token_bucket=config.min_token_bucket,
+            enable_prompt_logprobs=config.enable_prompt_logprobs))
+        self._requests: dict[str, _RequestState] = {}
+        self._children: dict[str, tuple[_RequestState, int]] = {}  # scheduler id -> sample
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -85,54 +166,162 @@ class Engine:
         """Compiles every bucket of the device step; returns the seconds it took."""
         return self.runner.warm_up()
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: Any = None, *, max_tokens: int = 16,
-                    eos_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    sampling_params: SamplingParams | None = None, *,
                     cache_salt: str | None = None) -> None:
         """Queues a request; it joins the running batch at the next step that has room.
 
         Args:
             request_id: Unique among unfinished requests.
-            prompt_token_ids: The prompt, at least one token.
-            sampling_params: None (greedy) or an object with `temperature`, `top_k`, `top_p`
-                and `seed` attributes.
-            max_tokens: Most tokens to generate.
-            eos_token_ids: Stop tokens; None means the model's.
-            ignore_eos: Generate past the stop tokens.
+            prompt: Text (needs the tokenizer; BOS is added as the tokenizer does) or token
+                ids.
+            sampling_params: How to sample and when to stop; None is `SamplingParams()`.
             cache_salt: Keeps this request's prefix-cache blocks apart from other salts.
 
         Raises:
-            ValueError: An empty prompt, a duplicate id, a token id outside the vocabulary,
-                or a prompt that leaves no room for output within max_model_len.
+            ValueError: A duplicate id, an empty prompt, a token id outside the vocabulary
+                (prompt, logit_bias or stop_token_ids), a prompt that leaves no room for output
+                within max_model_len, prompt logprobs while they are disabled, or text without
+                a tokenizer. Nothing is queued then.
         """
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: sampling_params must be a "
+                             f"SamplingParams, not {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(request_id, prompt)
+        self._validate(request_id, token_ids, params)
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        stop_ids = tuple(dict.fromkeys((*eos, *(params.stop_token_ids or ()))))
+        state = _RequestState(request_id, text, token_ids, params, self.tokenizer)
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                # vLLM's rule: sample i of a seeded request uses seed + i, so the samples
+                # differ from each other yet each is reproducible.
+                child_params = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + index)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            children.append(Request(
+                child_id, token_ids, child_params, max_tokens=params.max_tokens,
+                eos_token_ids=stop_ids, cache_salt=cache_salt,
+                skip_prefix_cache=params.prompt_logprobs is not None))
+        if params.n > 1 and self.config.enable_prefix_caching:
+            children, state.deferred = children[:1], children[1:]
+        for child in children:
+            self.scheduler.add_request(child)
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            self._children[child_id] = (state, index)
+        self._requests[request_id] = state
+
+    def _tokenize(self, request_id: str, prompt: str | Sequence[int]
+                  ) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: a text prompt needs a tokenizer; "
+                                 "this engine has none, pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        try:
+            token_ids = [int(token) for token in prompt]
+        except (TypeError, ValueError):
+            raise ValueError(f"request {request_id!r}: the prompt must be a string or a list "
+                             "of token ids") from None
+        return None, token_ids
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
-        bad = [token for token in prompt_token_ids if not 0 <= int(token) < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: prompt token ids {bad[:5]} are outside "
-                             f"the vocabulary [0, {vocab})")
-        eos = self.model_config.eos_token_ids if eos_token_ids is None else eos_token_ids
-        self.scheduler.add_request(Request(
-            request_id, prompt_token_ids, sampling_params, max_tokens=max_tokens,
-            eos_token_ids=eos, ignore_eos=ignore_eos, cache_salt=cache_salt))
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
+        for what, ids in (("prompt token ids", token_ids),
+                          ("stop_token_ids", params.stop_token_ids or ()),
+                          ("logit_bias token ids", (params.logit_bias or {}).keys())):
+            bad = [token for token in ids if not 0 <= token < vocab]
+            if bad:
+                raise ValueError(f"request {request_id!r}: {what} {bad[:5]} are outside the "
+                                 f"vocabulary [0, {vocab})")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves "
+                             f"no room for output within max_model_len = "
+                             f"{self.config.max_model_len}")
+        if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
+            raise ValueError(f"request {request_id!r}: prompt_logprobs needs an engine built "
+                             "with enable_prompt_logprobs=True")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this "
+                             "engine has none (use stop_token_ids)")
 
     def abort_request(self, request_id: str) -> bool:
-        """Stops a request now and frees its pages; False if it was not unfinished."""
-        return self.scheduler.abort_request(request_id)
+        """Stops every sample of a request now and frees their pages.
+
+        Returns:
+            False if the request was not unfinished (unknown or already done).
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        for index, sample in enumerate(state.samples):
+            child_id = request_id if state.params.n == 1 else f"{request_id}#{index}"
+            self.scheduler.abort_request(child_id)
+            self._children.pop(child_id, None)
+            if not sample.finished:
+                sample.finish_reason = "abort"
+        state.deferred = []
+        return True
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.scheduler.has_unfinished_requests()
+        """Whether any request is waiting, running or has samples not yet admitted."""
+        return bool(self._requests)
+
+    # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling step; returns the requests that got tokens or finished."""
+        """Runs one scheduling step.
+
+        Returns:
+            A cumulative RequestOutput for each request that got tokens or finished.
+        """
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if scheduled.is_empty:
             return []
-        sampled = self.runner.execute(scheduled.scheduled_requests)
+        result = self.runner.execute(scheduled.scheduled_requests)
         self.num_steps += 1
-        return self.scheduler.update_from_output(
-            scheduled, {request_id: [token] for request_id, token in sampled.items()})
+        for child_id, chunk in result.prompt_logprobs.items():
+            self._children[child_id][0].add_prompt_logprobs(chunk)
+        outputs = self.scheduler.update_from_output(
+            scheduled, {child_id: [sampled.token_id]
+                        for child_id, sampled in result.sampled.items()})
+        touched: dict[str, _RequestState] = {}
+        for output in outputs:
+            state, index = self._children[output.request_id]
+            logprobs = None
+            if state.params.logprobs is not None and output.new_token_ids:
+                sampled: SampledToken = result.sampled[output.request_id]
+                top = state.params.logprobs
+                logprobs = [_logprob_dict(sampled.token_id, sampled.logprob,
+                                          sampled.top_token_ids[:top],
+                                          sampled.top_logprobs[:top])]
+            if state.samples[index].add(output.new_token_ids, output.finish_reason, logprobs):
+                self.scheduler.abort_request(output.request_id)  # a stop string matched
+            if state.samples[index].finished:
+                del self._children[output.request_id]
+            if state.deferred:
+                # The first sample has its first token, so its prompt blocks are cached.
+                for child in state.deferred:
+                    self.scheduler.add_request(child)
+                state.deferred = []
+            touched[state.request_id] = state
+        for request_id, state in touched.items():
+            if state.finished:
+                del self._requests[request_id]
+        return [state.output() for state in touched.values()]
+
+    # ------------------------------------------------------------------ metrics
 
     @property
     def num_free_pages(self) -> int:
@@ -141,5 +330,5 @@ class Engine:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        """Fraction of looked-up prompt blocks found in the prefix cache."""
+        """Fraction of admitted prompt tokens served by the prefix cache."""
         return self.scheduler.kv_cache_manager.prefix_cache_hit_rate

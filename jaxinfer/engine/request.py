@@ -59,6 +59,9 @@ class Request:
         ignore_eos: If True, eos tokens do not end the request.
         cache_salt: Mixed into the first block's hash, so requests with different salts never
             share prefix-cache blocks (e.g. per-tenant isolation); None shares freely.
+        skip_prefix_cache: Compute the whole prompt even if its blocks are cached (a request
+            that wants every prompt position's logprobs needs their logits); its own full
+            blocks are still cached for others.
         output_token_ids: Tokens sampled so far.
         num_computed_tokens: Known tokens whose keys and values are in the KV cache.
         status: The current RequestStatus.
@@ -72,7 +75,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: Any = None, *, max_tokens: int = 16,
                  eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, skip_prefix_cache: bool = False) -> None:
         """Creates a WAITING request with nothing computed.
 
         Raises:
@@ -90,6 +93,7 @@ class Request:
         self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
         self.ignore_eos = ignore_eos
         self.cache_salt = cache_salt
+        self.skip_prefix_cache = skip_prefix_cache
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING

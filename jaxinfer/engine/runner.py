@@ -16,6 +16,7 @@ the engine never compiles again; `compilations` counts the cache entries to prov
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -24,9 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.engine.sampler import (
+    SamplingArrays,
+    build_sampling_arrays,
+    prompt_logprobs,
+    prompt_top_logprobs,
+    sample_tokens,
+)
+from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.scheduler import ScheduledRequest
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
-from jaxinfer.sampling import sample
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -51,6 +59,8 @@ class RunnerConfig:
         max_model_len: Longest sequence; fixes the page-table width.
         cache_dtype: KV page dtype (default: the model's compute dtype).
         min_token_bucket: The smallest token bucket.
+        max_logprobs: K, the top logprobs computed per token when a request asks for any.
+        enable_prompt_logprobs: Compile (and allow) the step that returns prompt logprobs.
     """
 
     num_pages: int
@@ -60,6 +70,8 @@ class RunnerConfig:
     max_model_len: int
     cache_dtype: str | None = None
     min_token_bucket: int = 8
+    max_logprobs: int = MAX_LOGPROBS
+    enable_prompt_logprobs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_batched_tokens", "max_num_seqs",
@@ -91,13 +103,54 @@ class RunnerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class SequenceSampling:
-    """Per-sequence sampling parameters as the device step takes them (None means greedy)."""
+class SampledToken:
+    """The token sampled for one request in a step, with its logprobs.
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    Attributes:
+        token_id: The sampled token.
+        logprob: Its log-probability (after bias, penalties and min_tokens; see
+            `jaxinfer.engine.sampler`).
+        top_token_ids: `[K]` the K most likely tokens, most likely first (K is the runner's
+            `max_logprobs`; empty when no request of the step asked for logprobs).
+        top_logprobs: `[K]` their log-probabilities.
+    """
+
+    token_id: int
+    logprob: float
+    top_token_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of a run of prompt tokens, from one prefill chunk.
+
+    Attributes:
+        first_position: Prompt position of the first token described (>= 1: the first prompt
+            token has nothing before it to predict it).
+        logprobs: `[C]` each token's log-probability given the tokens before it (raw logits).
+        top_token_ids: `[C, K]` the K most likely tokens at each of those positions.
+        top_logprobs: `[C, K]` their log-probabilities.
+    """
+
+    first_position: int
+    logprobs: np.ndarray
+    top_token_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """What one step produced.
+
+    Attributes:
+        sampled: Per request with `needs_sample`, its token.
+        prompt_logprobs: Per request that asked for prompt logprobs and fed prompt tokens
+            with a successor this step, their logprobs.
+    """
+
+    sampled: dict[str, SampledToken]
+    prompt_logprobs: dict[str, PromptLogprobs]
 
 
 def _bucket(size: int, buckets: Sequence[int]) -> int:
@@ -108,7 +161,13 @@ def _bucket(size: int, buckets: Sequence[int]) -> int:
 
 
 class ModelRunner:
-    """Owns the model, the page pool and the compiled step."""
+    """Owns the model, the page pool and the compiled steps.
+
+    There are two step programs per bucket: the plain one, and one that also computes the
+    logits of every fed token for requests that asked for prompt logprobs (an lm-head over
+    the whole chunk, which the plain step avoids). The second is only compiled, and only
+    allowed, with `enable_prompt_logprobs`.
+    """
 
     def __init__(self, model: Transformer, config: RunnerConfig) -> None:
         self.config = config
@@ -118,25 +177,49 @@ class ModelRunner:
         cache = PagedKVCache.create(model.config, config.num_pages, config.page_size, empty,
                                     dtype=config.cache_dtype)
         self.pages = cache.layers
-        self._step = jax.jit(self._device_step, donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(self._device_step, with_prompt_logprobs=False),
+                             donate_argnums=(1,))
+        self._prompt_step = jax.jit(
+            functools.partial(self._device_step, with_prompt_logprobs=True),
+            donate_argnums=(1,))
         self.warm_up_seconds: float | None = None
 
     # ------------------------------------------------------------------ device step
 
     def _device_step(self, state: nnx.State, pages: tuple[jax.Array, ...],
                      token_ids: jax.Array, positions: jax.Array, batch: PagedBatch,
-                     last_token_index: jax.Array, sampling: dict[str, jax.Array]
-                     ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+                     last_token_index: jax.Array, sampling: SamplingArrays, seeds: jax.Array,
+                     output_index: jax.Array, want_logprobs: jax.Array,
+                     next_token_ids: jax.Array, *, with_prompt_logprobs: bool
+                     ) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
         model = nnx.merge(self.graphdef, state)
         hidden, cache = model.hidden_states(token_ids[None], positions[None],
                                             PagedKVCache(pages, batch))  # [1, T, D]
-        last_hidden = hidden[0, last_token_index][None]  # [1, S, D]
-        logits = model.logits(last_hidden)[0]  # [S, V]
+        result: dict[str, jax.Array] = {}
+        if with_prompt_logprobs:
+            all_logits = model.logits(hidden)[0]  # [T, V]
+            logits = all_logits[last_token_index]  # [S, V]
+            result["prompt_logprobs"] = prompt_logprobs(all_logits, next_token_ids)  # [T]
+            ids, values = prompt_top_logprobs(all_logits, self.config.max_logprobs)
+            result["prompt_top_ids"], result["prompt_top_logprobs"] = ids, values  # [T, K]
+        else:
+            last_hidden = hidden[0, last_token_index][None]  # [1, S, D]
+            logits = model.logits(last_hidden)[0]  # [S, V]
+        # The key depends only on the request's seed and how many tokens it has sampled, so a
+        # seeded request draws the same tokens whatever else is in the batch, and after a
+        # preemption it redraws exactly what it drew before.
         keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
-            sampling["seed"], sampling["output_index"])  # [S]
-        tokens = sample(logits, keys, sampling["temperature"], sampling["top_k"],
-                        sampling["top_p"])  # [S]
-        return cache.layers, tokens
+            seeds, output_index)  # [S]
+
+        def with_top(num_logprobs: int):
+            return lambda: sample_tokens(logits, keys, sampling, num_logprobs)
+
+        # The top-K pass over [S, V] runs only in steps where some request wants logprobs.
+        tokens, chosen, top_ids, top_values = jax.lax.cond(
+            jnp.any(want_logprobs), with_top(self.config.max_logprobs),
+            lambda: _without_top(with_top(0)(), self.config.max_logprobs))
+        result.update(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_values)
+        return cache.layers, result
 
     # ------------------------------------------------------------------ host side
 
@@ -146,15 +229,14 @@ class ModelRunner:
         token_ids = np.zeros(num_tokens, np.int32)  # [T]
         positions = np.zeros(num_tokens, np.int32)  # [T]
         slots = np.full(num_tokens, -1, np.int32)  # [T]; -1: padding writes nothing
+        next_token_ids = np.zeros(num_tokens, np.int32)  # [T]; for prompt logprobs
         kv_lens = np.zeros(num_seqs, np.int32)  # [S]
         page_indices = np.zeros((num_seqs, config.pages_per_sequence), np.int32)  # [S, P/S]
         cu_q_lens = np.zeros(num_seqs + 1, np.int32)  # [S + 1]
         last = np.zeros(num_seqs, np.int32)  # [S]
-        sampling = {"temperature": np.zeros(num_seqs, np.float32),
-                    "top_k": np.zeros(num_seqs, np.int32),
-                    "top_p": np.ones(num_seqs, np.float32),
-                    "seed": np.zeros(num_seqs, np.uint32),
-                    "output_index": np.zeros(num_seqs, np.int32)}
+        seeds = np.zeros(num_seqs, np.uint32)  # [S]
+        output_index = np.zeros(num_seqs, np.int32)  # [S]
+        want_logprobs = np.zeros(num_seqs, np.bool_)  # [S]
         offset = 0
         for s, sequence in enumerate(sequences):
             count = len(sequence.token_ids)
@@ -164,36 +246,50 @@ class ModelRunner:
             positions[offset:offset + count] = span
             slots[offset:offset + count] = (table[span // config.page_size] * config.page_size
                                             + span % config.page_size)
+            following = sequence.prompt_token_ids[sequence.start_position + 1:
+                                                  sequence.start_position + 1 + count]
+            next_token_ids[offset:offset + len(following)] = following
             kv_lens[s] = sequence.start_position + count
             page_indices[s, :len(table)] = table
             offset += count
             cu_q_lens[s + 1] = offset
             last[s] = offset - 1
-            params = sequence.sampling_params or SequenceSampling()
-            sampling["temperature"][s] = params.temperature
-            sampling["top_k"][s] = params.top_k
-            sampling["top_p"][s] = params.top_p
+            params = sequence.sampling_params
             # A request without a seed still gets its own stream, derived from its id.
-            seed = params.seed if params.seed is not None else hash(sequence.request_id)
-            sampling["seed"][s] = seed % (2 ** 32)
-            sampling["output_index"][s] = sequence.num_output_tokens
+            seed = params.seed if params is not None and params.seed is not None else (
+                hash(sequence.request_id))
+            seeds[s] = seed % (2 ** 32)
+            output_index[s] = sequence.num_output_tokens
+            want_logprobs[s] = params is not None and params.logprobs is not None
         cu_q_lens[len(sequences) + 1:] = offset
         batch = PagedBatch(slots, kv_lens, page_indices, cu_q_lens,
                            np.asarray([len(sequences)], np.int32))
-        return token_ids, positions, batch, last, sampling
+        sampling = build_sampling_arrays(
+            [sequence.sampling_params for sequence in sequences], self.model_config.vocab_size,
+            prompt_token_ids=[sequence.prompt_token_ids for sequence in sequences],
+            output_token_ids=[sequence.output_token_ids for sequence in sequences],
+            eos_token_ids=self.model_config.eos_token_ids, batch_size=num_seqs)
+        return (token_ids, positions, batch, last, sampling, seeds, output_index,
+                want_logprobs, next_token_ids)
 
-    def execute(self, sequences: Sequence[ScheduledRequest]) -> dict[str, int]:
-        """Runs one step; returns the sampled token of every request with `needs_sample`.
+    def execute(self, sequences: Sequence[ScheduledRequest]) -> RunnerOutput:
+        """Runs one step over the scheduled requests.
 
-        Each request's `sampling_params` is None (greedy) or has `temperature`, `top_k`,
-        `top_p` and `seed` (None: a stream derived from the request id) attributes.
+        Each request's `sampling_params` is None (greedy) or a
+        `jaxinfer.engine.sampling_params.SamplingParams`; a request without a seed samples
+        from a stream derived from its id.
+
+        Returns:
+            The sampled token of every request with `needs_sample` and, for requests with
+            `prompt_logprobs`, the logprobs of the prompt tokens this step's chunk predicts.
 
         Raises:
-            ValueError: The step has more tokens or sequences than the largest bucket, or a
-                sequence runs past its page table.
+            ValueError: The step has more tokens or sequences than the largest bucket, a
+                sequence runs past its page table, or prompt logprobs are asked for while
+                `enable_prompt_logprobs` is off.
         """
         if not sequences:
-            return {}
+            return RunnerOutput({}, {})
         total = sum(len(sequence.token_ids) for sequence in sequences)
         num_tokens = _bucket(total, self.config.token_buckets)
         num_seqs = _bucket(len(sequences), self.config.sequence_buckets)
@@ -202,13 +298,33 @@ class ModelRunner:
             if end > len(sequence.block_table) * self.config.page_size:
                 raise ValueError(f"request {sequence.request_id!r}: {end} tokens do not fit "
                                  f"its {len(sequence.block_table)} pages")
-        token_ids, positions, batch, last, sampling = self._pack(sequences, num_tokens,
-                                                                 num_seqs)
-        self.pages, tokens = self._step(self.state, self.pages, token_ids, positions, batch,
-                                        last, sampling)
-        tokens = np.asarray(tokens)
-        return {sequence.request_id: int(tokens[s]) for s, sequence in enumerate(sequences)
-                if sequence.needs_sample}
+        wants_prompt = {sequence.request_id for sequence in sequences
+                        if _wants_prompt_logprobs(sequence)}
+        if wants_prompt and not self.config.enable_prompt_logprobs:
+            raise ValueError(f"requests {sorted(wants_prompt)} ask for prompt_logprobs, which "
+                             "this runner was built without (enable_prompt_logprobs=False)")
+        step = self._prompt_step if wants_prompt else self._step
+        self.pages, result = step(self.state, self.pages,
+                                  *self._pack(sequences, num_tokens, num_seqs))
+        result = jax.device_get(result)
+        sampled, prompt = {}, {}
+        offset = 0
+        for s, sequence in enumerate(sequences):
+            if sequence.needs_sample:
+                sampled[sequence.request_id] = SampledToken(
+                    int(result["tokens"][s]), float(result["logprobs"][s]),
+                    result["top_ids"][s], result["top_logprobs"][s])
+            if sequence.request_id in wants_prompt:
+                start = sequence.start_position
+                # Fed position i predicts prompt token i + 1, which must exist.
+                count = min(len(sequence.token_ids),
+                            len(sequence.prompt_token_ids) - 1 - start)
+                rows = slice(offset, offset + count)
+                prompt[sequence.request_id] = PromptLogprobs(
+                    start + 1, result["prompt_logprobs"][rows],
+                    result["prompt_top_ids"][rows], result["prompt_top_logprobs"][rows])
+            offset += len(sequence.token_ids)
+        return RunnerOutput(sampled, prompt)
 
     def warm_up(self) -> float:
         """Compiles the step for every (token bucket, sequence bucket) pair; returns seconds.
@@ -216,19 +332,37 @@ class ModelRunner:
         Padding-only steps write nothing (every slot is -1) and read only the null page.
         """
         started = time.perf_counter()
+        steps = [self._step] + ([self._prompt_step] if self.config.enable_prompt_logprobs
+                                else [])
+        result = None
         for num_tokens in self.config.token_buckets:
             for num_seqs in self.config.sequence_buckets:
                 if num_seqs > num_tokens:
                     continue  # a step never has more sequences than tokens
-                token_ids, positions, batch, last, sampling = self._pack([], num_tokens,
-                                                                         num_seqs)
-                self.pages, tokens = self._step(self.state, self.pages, token_ids, positions,
-                                                batch, last, sampling)
-        jax.block_until_ready(tokens)
+                for step in steps:
+                    self.pages, result = step(self.state, self.pages,
+                                              *self._pack([], num_tokens, num_seqs))
+        jax.block_until_ready(result)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
 
     @property
     def compilations(self) -> int:
-        """Programs compiled for the step so far (constant after `warm_up`)."""
-        return self._step._cache_size()
+        """Programs compiled for the steps so far (constant after `warm_up`)."""
+        return self._step._cache_size() + self._prompt_step._cache_size()
+
+
+def _wants_prompt_logprobs(sequence: ScheduledRequest) -> bool:
+    """Whether the request asked for prompt logprobs and this chunk predicts prompt tokens."""
+    params = sequence.sampling_params
+    return (params is not None and params.prompt_logprobs is not None
+            and sequence.start_position + 1 < len(sequence.prompt_token_ids))
+
+
+def _without_top(sampled: tuple[jax.Array, ...], num_logprobs: int) -> tuple[jax.Array, ...]:
+    """`sample_tokens(..., 0)`'s result with zero-filled `[S, K]` top-logprob arrays, so both
+    branches of the step's `lax.cond` have the same shapes."""
+    tokens, chosen, _, _ = sampled
+    rows = tokens.shape[0]
+    return (tokens, chosen, jnp.zeros((rows, num_logprobs), jnp.int32),
+            jnp.zeros((rows, num_logprobs), jnp.float32))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
@@ -109,6 +110,9 @@ class ScheduledRequest:
         num_output_tokens: Tokens the request had sampled before this step (the index of the
             token sampled now, e.g. to derive a per-request PRNG key that survives preemption).
         sampling_params: The request's sampling parameters, as given.
+        prompt_token_ids: The request's whole prompt (repetition penalty, prompt logprobs).
+        output_token_ids: The tokens it sampled before this step (frequency and presence
+            penalties, min_tokens); a live view, valid until `update_from_output`.
     """
 
     request_id: str
@@ -118,6 +122,8 @@ class ScheduledRequest:
     needs_sample: bool
     num_output_tokens: int
     sampling_params: Any
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
     @property
     def start_position(self) -> int:
@@ -304,7 +310,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            hit_blocks, num_hit_tokens = ([], 0) if request.skip_prefix_cache else (
+                manager.get_computed_blocks(request))
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
             if manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
                 break
@@ -406,6 +413,8 @@ class Scheduler:
             needs_sample=end == request.num_tokens,
             num_output_tokens=request.num_output_tokens,
             sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:

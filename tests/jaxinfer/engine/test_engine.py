@@ -9,7 +9,7 @@ import pytest
 
 from jaxinfer.config import get_preset
 from jaxinfer.engine.engine import Engine, EngineConfig
-from jaxinfer.engine.runner import SequenceSampling
+from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.generate import generate
 from jaxinfer.models import create_model
 
@@ -38,6 +38,10 @@ def workload(model):
     return prompts, expected, arrivals
 
 
+def _greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def _run(engine, prompts, arrivals, abort=()):
     outputs = {str(i): [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
@@ -45,13 +49,12 @@ def _run(engine, prompts, arrivals, abort=()):
     while pending or engine.has_unfinished_requests():
         while pending and arrivals[pending[0]] <= step:
             index = pending.pop(0)
-            engine.add_request(str(index), prompts[index], max_tokens=NEW_TOKENS,
-                               eos_token_ids=())
+            engine.add_request(str(index), prompts[index], _greedy(NEW_TOKENS))
         for request_id, at_step in abort:
             if at_step == step:
                 engine.abort_request(request_id)
         for output in engine.step():
-            outputs[output.request_id] += output.new_token_ids
+            outputs[output.request_id] = output.outputs[0].token_ids  # cumulative
         step += 1
     return [outputs[str(i)] for i in range(len(prompts))]
 
@@ -92,16 +95,16 @@ def test_no_compilation_after_warm_up_and_batch_invariant_seeds(model):
                                         max_num_seqs=4, max_model_len=128))
     engine.warm_up()
     compiled = engine.runner.compilations
-    sampling = SequenceSampling(temperature=0.8, top_k=40, top_p=0.95, seed=7)
-    engine.add_request("alone", [1, 2, 3, 4, 5], sampling, max_tokens=8, eos_token_ids=())
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7, max_tokens=8,
+                              ignore_eos=True)
+    engine.add_request("alone", [1, 2, 3, 4, 5], sampling)
     alone = _collect(engine)["alone"]
     rng = random.Random(1)
     for index in range(12):
         prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 90))]
-        engine.add_request(f"other{index}", prompt, SequenceSampling(temperature=1.0,
-                                                                    seed=index),
-                           max_tokens=rng.randint(1, 12), eos_token_ids=())
-    engine.add_request("crowded", [1, 2, 3, 4, 5], sampling, max_tokens=8, eos_token_ids=())
+        engine.add_request(f"other{index}", prompt, SamplingParams(
+            temperature=1.0, seed=index, max_tokens=rng.randint(1, 12), ignore_eos=True))
+    engine.add_request("crowded", [1, 2, 3, 4, 5], sampling)
     assert _collect(engine)["crowded"] == alone
     assert engine.runner.compilations == compiled
 
@@ -110,18 +113,31 @@ def _collect(engine):
     outputs: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
-            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+            outputs[output.request_id] = output.outputs[0].token_ids
     return outputs
 
 
 def test_bad_requests_are_rejected_and_the_rest_carry_on(model):
     engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=32,
                                         max_num_seqs=4, max_model_len=64))
-    engine.add_request("good", [1, 2, 3], max_tokens=3, eos_token_ids=())
-    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 512\)"):
-        engine.add_request("bad", [1, 9999], max_tokens=3)
+    engine.add_request("good", [1, 2, 3], _greedy(3))
+    with pytest.raises(ValueError, match=r"prompt token ids \[9999\] are outside the vocab"):
+        engine.add_request("bad", [1, 9999], _greedy(3))
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[600\] are outside"):
+        engine.add_request("bias", [1], SamplingParams(logit_bias={600: 1.0}))
+    with pytest.raises(ValueError, match=r"stop_token_ids \[512\] are outside"):
+        engine.add_request("stop", [1], SamplingParams(stop_token_ids=[512]))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request("text", [1], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="a text prompt needs a tokenizer"):
+        engine.add_request("text", "hello")
+    with pytest.raises(ValueError, match="must be a SamplingParams"):
+        engine.add_request("params", [1], {"max_tokens": 3})
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request("empty", [])
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("good", [1], max_tokens=3)
+        engine.add_request("good", [1], _greedy(3))
     with pytest.raises(ValueError, match="no room for output"):
-        engine.add_request("long", [1] * 64, max_tokens=3)
+        engine.add_request("long", [1] * 64, _greedy(3))
     assert len(_collect(engine)["good"]) == 3
+    assert engine.num_free_pages == engine.config.num_pages - 1

@@ -1,0 +1,56 @@
+"""What users get back (vLLM's shapes): `RequestOutput` holding `CompletionOutput`s."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated sample of a request.
+
+    Attributes:
+        index: Which of the request's n samples this is.
+        text: The generated text (stop string excluded unless asked for).
+        token_ids: The generated token ids.
+        finish_reason: "stop" (a stop token or string), "length" (max_tokens or the model's
+            length), "abort", or None while generating.
+        stop_reason: The stop string or stop token id that ended it, if any.
+        logprobs: Per generated token, {token_id: logprob} of the chosen token and the top
+            alternatives, when requested; else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether this sample is done."""
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's prompt and its samples so far.
+
+    Attributes:
+        request_id: The request.
+        prompt: The prompt text, if it was given as text.
+        prompt_token_ids: The prompt's token ids.
+        outputs: One CompletionOutput per sample (n of them).
+        finished: Whether every sample is done.
+        prompt_logprobs: When requested, None for the first prompt token and then one
+            {token_id: logprob} dict per prompt token (the token itself and the top
+            alternatives), once the whole prompt is computed; else None.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None
