@@ -23,7 +23,9 @@ counted) instead of computing and storing the prompt n times.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +35,12 @@ from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import ModelRunner, PromptLogprobs, RunnerConfig, SampledToken
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.models import Transformer
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer import Tokenizer, load_tokenizer
+
+# What a request's prompt may be: text, token ids, or {"prompt_token_ids": [...], "prompt": ...}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +76,11 @@ class EngineConfig:
         max_model_len = self.max_model_len or model_max_len
         pages_per_sequence = -(-max_model_len // self.page_size)
         num_pages = self.num_pages or self.max_num_seqs * pages_per_sequence + 1
+        if num_pages - 1 < pages_per_sequence:
+            # Otherwise a long request could wait forever for pages that never exist.
+            raise ValueError(f"num_pages = {num_pages}: one sequence of max_model_len = "
+                             f"{max_model_len} tokens needs {pages_per_sequence} pages of "
+                             f"{self.page_size} plus the null page")
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
 
 
@@ -144,6 +155,7 @@ class Engine:
         """
         config = (config or EngineConfig()).resolved(model.config.max_position_embeddings)
         self.config = config
+        self.model = model
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(SchedulerConfig(
@@ -162,21 +174,55 @@ class Engine:
         self.num_steps = 0
         self.num_preemptions = 0
 
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike[str], *,
+                        tokenizer: str | os.PathLike[str] | None = None,
+                        dtype: str | None = None, **engine_options: Any) -> Engine:
+        """Loads a model (and its tokenizer, if it has one) and builds an engine for it.
+
+        Args:
+            model: A Hugging Face directory, `builtin:NAME`, a jaxinfer checkpoint directory
+                or `random:PRESET`.
+            tokenizer: Directory of the tokenizer files; None looks in the model's.
+            dtype: "float32" or "bfloat16" for parameters and compute; None keeps the
+                checkpoint's.
+            **engine_options: `EngineConfig` fields.
+
+        Raises:
+            ValueError: An unknown engine option (the valid ones are listed) or a bad value.
+            FileNotFoundError: The model (or a given tokenizer) does not exist.
+        """
+        options = {field.name for field in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - options)
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; valid: {sorted(options)}")
+        overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+        network = load_model(model, **overrides)
+        try:
+            loaded = load_tokenizer(resolve_model_path(
+                tokenizer if tokenizer is not None else model))
+        except FileNotFoundError:
+            if tokenizer is not None:
+                raise
+            loaded = None  # e.g. random:PRESET serves token ids only
+        return cls(network, EngineConfig(**engine_options), loaded)
+
     def warm_up(self) -> float:
         """Compiles every bucket of the device step; returns the seconds it took."""
         return self.runner.warm_up()
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int],
+    def add_request(self, request_id: str, prompt: Prompt,
                     sampling_params: SamplingParams | None = None, *,
                     cache_salt: str | None = None) -> None:
         """Queues a request; it joins the running batch at the next step that has room.
 
         Args:
             request_id: Unique among unfinished requests.
-            prompt: Text (needs the tokenizer; BOS is added as the tokenizer does) or token
-                ids.
+            prompt: Text (needs the tokenizer; BOS is added as the tokenizer does), token
+                ids, or a dict with "prompt_token_ids" and optionally the "prompt" text they
+                came from (e.g. a rendered chat), or with "prompt" only.
             sampling_params: How to sample and when to stop; None is `SamplingParams()`.
             cache_salt: Keeps this request's prefix-cache blocks apart from other salts.
 
@@ -219,14 +265,27 @@ class Engine:
             self._children[child_id] = (state, index)
         self._requests[request_id] = state
 
-    def _tokenize(self, request_id: str, prompt: str | Sequence[int]
-                  ) -> tuple[str | None, list[int]]:
+    def _tokenize(self, request_id: str, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or ("prompt" not in prompt and "prompt_token_ids" not in prompt):
+                raise ValueError(f"request {request_id!r}: a prompt dict takes 'prompt' (text) "
+                                 f"and/or 'prompt_token_ids', got keys {sorted(prompt)}")
+            if "prompt_token_ids" not in prompt:
+                return self._tokenize(request_id, prompt["prompt"])
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"request {request_id!r}: 'prompt' must be text")
+            return text, self._tokenize(request_id, prompt["prompt_token_ids"])[1]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {request_id!r}: a text prompt needs a tokenizer; "
                                  "this engine has none, pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         try:
+            if isinstance(prompt, bytes) or any(isinstance(token, bool | float)
+                                                for token in prompt):
+                raise TypeError
             token_ids = [int(token) for token in prompt]
         except (TypeError, ValueError):
             raise ValueError(f"request {request_id!r}: the prompt must be a string or a list "
@@ -255,15 +314,16 @@ class Engine:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this "
                              "engine has none (use stop_token_ids)")
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops every sample of a request now and frees their pages.
 
         Returns:
-            False if the request was not unfinished (unknown or already done).
+            The request's final output (unfinished samples end with finish_reason "abort"),
+            or None if the request was not unfinished (unknown or already done).
         """
         state = self._requests.pop(request_id, None)
         if state is None:
-            return False
+            return None
         for index, sample in enumerate(state.samples):
             child_id = request_id if state.params.n == 1 else f"{request_id}#{index}"
             self.scheduler.abort_request(child_id)
@@ -271,7 +331,7 @@ class Engine:
             if not sample.finished:
                 sample.finish_reason = "abort"
         state.deferred = []
-        return True
+        return state.output()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or has samples not yet admitted."""

@@ -1,0 +1,189 @@
+"""The offline Python API, in vLLM's shape: `LLM(model=...).generate(prompts, params)`.
+
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(model="builtin:demo", max_num_seqs=32)
+    outputs = llm.generate(["The list type", "A dictionary"],
+                           SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64))
+    for output in outputs:
+        print(output.prompt, "->", output.outputs[0].text)
+
+    for output in llm.stream("The list type", SamplingParams(max_tokens=64)):
+        print(output.outputs[0].text)  # cumulative text so far
+
+Every prompt of a call is queued on one continuous-batching `Engine` at once, so a list of
+prompts is served as a batch. Works as is in a notebook: nothing here needs a server or a
+thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from jaxinfer.engine.engine import Engine, Prompt
+from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.tokenizer import Tokenizer
+
+Conversation = Sequence[Mapping[str, Any]]
+
+
+def _as_list(value: Any, single: type | tuple[type, ...]) -> list[Any]:
+    """`[value]` for one item, `list(value)` for a list of them."""
+    return [value] if isinstance(value, single) else list(value)
+
+
+class LLM:
+    """A model and its engine, for offline generation from Python.
+
+    Args:
+        model: A Hugging Face checkpoint directory, `builtin:NAME` (e.g. `builtin:demo`), a
+            jaxinfer checkpoint directory or `random:PRESET`.
+        tokenizer: Directory of the tokenizer files; None uses the model's directory.
+        dtype: "float32" or "bfloat16" for parameters and compute; None keeps the
+            checkpoint's.
+        warm_up: Compile every step shape now (as a server does) instead of on first use.
+        **engine_options: `EngineConfig` fields, e.g. `max_num_seqs=64`, `page_size=16`,
+            `max_model_len=1024`, `enable_prefix_caching=False`.
+
+    Raises:
+        ValueError: An unknown engine option (the valid ones are listed) or a bad value.
+        FileNotFoundError: The model does not exist.
+    """
+
+    def __init__(self, model: str | os.PathLike[str], *,
+                 tokenizer: str | os.PathLike[str] | None = None, dtype: str | None = None,
+                 warm_up: bool = False, **engine_options: Any) -> None:
+        self.model_name = str(model)
+        self.engine = Engine.from_pretrained(model, tokenizer=tokenizer, dtype=dtype,
+                                             **engine_options)
+        self.tokenizer = self.engine.tokenizer
+        self._request_counter = itertools.count()
+        if warm_up:
+            self.engine.warm_up()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer (None for a model without tokenizer files)."""
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generates completions for one prompt or a list, batched on the engine.
+
+        Args:
+            prompts: A string, a `{"prompt_token_ids": [...]}` dict, or a list of these.
+            sampling_params: One SamplingParams for every prompt, one per prompt, or None
+                for the defaults.
+
+        Returns:
+            One finished RequestOutput per prompt, in the order given.
+
+        Raises:
+            ValueError: A bad prompt or parameter; no prompt of the call is left running.
+        """
+        final = {}
+        order = self._submit(prompts, sampling_params)
+        for output in self._drain(order):
+            final[output.request_id] = output
+        return [final[request_id] for request_id in order]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Like `generate`, but yields each request's cumulative output as it grows.
+
+        Stopping the iteration early (break, close) aborts the unfinished requests.
+
+        Yields:
+            RequestOutputs; the last one of each request has `finished` set.
+        """
+        return self._drain(self._submit(prompts, sampling_params))
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """Generates the next assistant turn of one conversation or a list of them.
+
+        Args:
+            messages: A conversation (a list of {"role", "content"} dicts) or a list of them.
+            sampling_params: As for `generate`.
+            chat_template: A template name or jinja source; None uses the tokenizer's.
+            add_generation_prompt: End the rendered prompt with an assistant header.
+            chat_template_kwargs: Further template variables.
+
+        Returns:
+            One RequestOutput per conversation; `prompt` is the rendered text.
+
+        Raises:
+            ValueError: No tokenizer, or a malformed conversation.
+            ChatTemplateError: The tokenizer has no chat template and none was given.
+        """
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_name} has no tokenizer, so it cannot render chats")
+        if not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
+                             "or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            for message in conversation:
+                if not isinstance(message, Mapping) or "role" not in message:
+                    raise ValueError(f"chat message {message!r} needs a 'role' (and usually "
+                                     "'content')")
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                chat_template=chat_template, **dict(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(
+                text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _submit(self, prompts: Prompt | Sequence[Prompt],
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                ) -> list[str]:
+        """Queues every prompt, or none: a bad one aborts those already queued."""
+        # A list of ints is one token-id prompt only inside a dict; alone it is ambiguous.
+        prompt_list = _as_list(prompts, (str, Mapping))
+        if not prompt_list:
+            raise ValueError("no prompts given")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"{len(params_list)} sampling params for "
+                                 f"{len(prompt_list)} prompts: give one, or one per prompt")
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                if not isinstance(prompt, str | Mapping):
+                    raise ValueError(f"prompt {prompt!r:.60}: give a string or a "
+                                     "{'prompt_token_ids': [...]} dict")
+                request_id = str(next(self._request_counter))
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return request_ids
+
+    def _drain(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(request_ids)
+        try:
+            while pending:
+                for output in self.engine.step():
+                    yield output
+                    if output.finished:
+                        pending.discard(output.request_id)
+        finally:
+            for request_id in pending:  # the caller stopped early, or an error escaped
+                self.engine.abort_request(request_id)
