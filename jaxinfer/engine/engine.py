@@ -59,6 +59,8 @@ class EngineConfig:
             (doubles warm-up); requests asking for them are rejected without it.
         cache_dtype: KV page dtype; None means the model's compute dtype.
         min_token_bucket: The smallest padded token count of a step.
+        bucket_growth: Ratio of consecutive token and sequence buckets (2 pads least; 4
+            compiles fewer programs, so warm-up is faster).
     """
 
     page_size: int = 16
@@ -70,6 +72,7 @@ class EngineConfig:
     enable_prompt_logprobs: bool = True
     cache_dtype: str | None = None
     min_token_bucket: int = 8
+    bucket_growth: int = 2
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """This config with the None fields filled in for a model."""
@@ -168,7 +171,8 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             cache_dtype=config.cache_dtype, min_token_bucket=config.min_token_bucket,
-            enable_prompt_logprobs=config.enable_prompt_logprobs))
+            enable_prompt_logprobs=config.enable_prompt_logprobs,
+            bucket_growth=config.bucket_growth))
         self._requests: dict[str, _RequestState] = {}
         self._children: dict[str, tuple[_RequestState, int]] = {}  # scheduler id -> sample
         self.num_steps = 0

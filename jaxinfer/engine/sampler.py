@@ -426,6 +426,15 @@ def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: i
     filled = [p or _GREEDY for p in params] + [_GREEDY] * (batch - rows)
     padding: list[Sequence[int]] = [()] * (batch - rows)
     outputs = list(output_token_ids) + padding
+    # Rows whose penalty is neutral get empty masks and counts: the result is bit-identical
+    # (see `apply_penalties`), and the host skips counting long prompts every step.
+    repeats = [p.repetition_penalty != 1.0 for p in filled]
+    counts_needed = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                     for r, p in zip(repeats, filled, strict=True)]
+    prompts = [ids if r else () for ids, r in zip(list(prompt_token_ids) + padding, repeats,
+                                                   strict=True)]
+    counted = [ids if c else () for ids, c in zip(outputs, counts_needed, strict=True)]
+    suppress = [len(out) < p.min_tokens for p, out in zip(filled, outputs, strict=True)]
     return SamplingArrays(
         temperature=np.array([p.temperature for p in filled], np.float32),  # [B]
         top_k=np.array([p.top_k for p in filled], np.int32),  # [B]
@@ -435,12 +444,11 @@ def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: i
         frequency=np.array([p.frequency_penalty for p in filled], np.float32),  # [B]
         repetition=np.array([p.repetition_penalty for p in filled], np.float32),  # [B]
         logit_bias=dense_logit_bias([p.logit_bias for p in filled], vocab_size),  # [B, V]
-        prompt_mask=token_mask(list(prompt_token_ids) + padding, vocab_size,
-                               "prompt_token_ids"),  # [B, V]
-        output_counts=token_counts(outputs, vocab_size, "output_token_ids"),  # [B, V]
-        stop_mask=token_mask([p.min_tokens_stop_ids(eos) for p in filled], vocab_size,
-                             "stop_token_ids"),  # [B, V]
-        suppress_stop=np.array([len(out) < p.min_tokens for p, out in zip(filled, outputs)],
-                               np.bool_),  # [B]
+        prompt_mask=token_mask(prompts, vocab_size, "prompt_token_ids"),  # [B, V]
+        output_counts=token_counts(counted, vocab_size, "output_token_ids"),  # [B, V]
+        stop_mask=token_mask([p.min_tokens_stop_ids(eos) if held else ()
+                              for p, held in zip(filled, suppress, strict=True)],
+                             vocab_size, "stop_token_ids"),  # [B, V]
+        suppress_stop=np.array(suppress, np.bool_),  # [B]
     )
 

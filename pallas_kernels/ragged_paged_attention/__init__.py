@@ -1,8 +1,10 @@
 """Ragged paged attention (mixed prefill + decode over a paged KV cache): the public op.
 
-The page layout and the ragged-batch description are documented in `reference.py`. Only the
-XLA reference exists so far; the Pallas kernels (TPU, GPU) slot in behind
-`ragged_paged_attention` without changing its callers.
+The page layout and the ragged-batch description are documented in `reference.py`. Two
+implementations exist so far: `xla` (the default: streams over pages with merged softmax
+statistics, no per-token gathers; `xla.py`) and `reference` (readable, gathers every token's
+whole page table). The Pallas kernels (TPU, GPU) slot in behind `ragged_paged_attention`
+without changing its callers.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
     write_to_pages,
 )
+from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "write_to_pages"]
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference",
+           "ragged_paged_attention_xla", "write_to_pages"]
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = {"xla": ragged_paged_attention_xla,
+                   "reference": ragged_paged_attention_reference}
 
 
 def ragged_paged_attention(
@@ -29,7 +34,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    implementation: str = "reference",
+    implementation: str = "xla",
 ) -> jax.Array:
     """`[T, N, H]` attention of packed query tokens to their sequences' paged keys.
 
@@ -40,7 +45,7 @@ def ragged_paged_attention(
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown ragged paged attention implementation {implementation!r}; "
-                         f"known: {IMPLEMENTATIONS}")
-    return ragged_paged_attention_reference(queries, kv_pages, kv_lens, page_indices,
-                                            cu_q_lens, num_seqs, sm_scale=sm_scale,
-                                            sliding_window=sliding_window)
+                         f"known: {sorted(IMPLEMENTATIONS)}")
+    return IMPLEMENTATIONS[implementation](queries, kv_pages, kv_lens, page_indices, cu_q_lens,
+                                           num_seqs, sm_scale=sm_scale,
+                                           sliding_window=sliding_window)

@@ -1,4 +1,5 @@
-"""The ragged paged attention reference against a per-sequence loop over contiguous keys."""
+"""Ragged paged attention (the reference and the XLA path) against a per-sequence loop over
+contiguous keys, and the XLA path against the reference on random ragged batches."""
 
 from __future__ import annotations
 
@@ -60,9 +61,10 @@ def _case(rng, query_lens, context_lens, page_size, pages_per_seq, num_kv_heads=
     return inputs, sequences
 
 
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_mixed_prefill_and_decode_match_the_loop(page_size, sliding_window):
+def test_mixed_prefill_and_decode_match_the_loop(page_size, sliding_window, implementation):
     rng = np.random.default_rng(page_size)
     # A fresh prefill, a chunk continuing a prefill, two decodes, one 1-token prompt.
     query_lens, context_lens = [9, 6, 1, 1, 1], [0, 7, 20, 3, 0]
@@ -70,7 +72,8 @@ def test_mixed_prefill_and_decode_match_the_loop(page_size, sliding_window):
                               pages_per_seq=-(-27 // page_size), padded_tokens=5,
                               padded_seqs=2)
     out = np.asarray(ragged_paged_attention(*inputs, sm_scale=8 ** -0.5,
-                                            sliding_window=sliding_window))
+                                            sliding_window=sliding_window,
+                                            implementation=implementation))
     start = 0
     for keys, values, q, positions in sequences:
         expected = _loop_attention(q, keys, values, positions, sliding_window)
@@ -93,3 +96,27 @@ def test_unknown_implementation_is_named():
     inputs, _ = _case(rng, [2], [0], page_size=4, pages_per_seq=1)
     with pytest.raises(ValueError, match="unknown ragged paged attention implementation"):
         ragged_paged_attention(*inputs, sm_scale=1.0, implementation="magic")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_xla_path_equals_the_reference_on_random_ragged_batches(seed):
+    rng = np.random.default_rng(100 + seed)
+    page_size = int(rng.choice([2, 4, 8]))
+    num_seqs = int(rng.integers(1, 6))
+    # Each sequence is a decode, a fresh prefill, or a chunk continuing a prefill.
+    query_lens, context_lens = [], []
+    for kind in rng.integers(0, 3, size=num_seqs):
+        context = 0 if kind == 1 else int(rng.integers(1, 30))
+        query_lens.append(1 if kind == 0 else int(rng.integers(2, 20)))
+        context_lens.append(context)
+    longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
+    inputs, _ = _case(rng, query_lens, context_lens, page_size,
+                      pages_per_seq=-(-longest // page_size) + 1,
+                      num_kv_heads=int(rng.choice([1, 2])), group=int(rng.choice([1, 3])),
+                      padded_tokens=int(rng.integers(0, 4)), padded_seqs=int(rng.integers(0, 3)))
+    for window in (None, int(rng.integers(1, 25))):
+        expected = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                          implementation="reference")
+        got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                     implementation="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)

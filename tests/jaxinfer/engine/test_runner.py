@@ -147,3 +147,7 @@ def test_bad_sizes_are_named(model):
     with pytest.raises(ValueError, match="do not fit"):
         runner.execute([_scheduled("x", [1, 2, 3, 4, 5], 0, [1])])
     assert power_of_two_buckets(8, 96) == (8, 16, 32, 64, 96)
+    assert power_of_two_buckets(1, 64, growth=4) == (1, 4, 16, 64)
+    with pytest.raises(ValueError, match="bucket_growth = 1"):
+        RunnerConfig(num_pages=8, page_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+                     max_model_len=64, bucket_growth=1)

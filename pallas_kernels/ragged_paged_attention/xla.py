@@ -1,0 +1,173 @@
+"""Ragged paged attention in plain XLA, without per-token gathers: the fast path off-TPU.
+
+The reference gathers every query token's whole page table (`[T, pages_per_seq * page_size]`
+keys, up to max_model_len whatever the actual lengths): readable, but a 400-token prefill
+chunk copies its sequence's keys 400 times. This version splits each token's keys in two
+parts and merges their softmax statistics (running max, denominator, weighted sum), as flash
+attention merges blocks:
+
+1. **This step's keys** (the chunk itself, causal): a dense block-diagonal attention over the
+   T packed tokens, reading the new keys and values back from their page slots (`[T, 2K, H]`,
+   one row per token). Decode tokens see only themselves here.
+2. **Earlier keys** (the context before the step, which every token of a sequence sees):
+   - for decode sequences (one new token), one query row per sequence walks its pages one at a
+     time with an online softmax (`[S, page_size, 2K, H]` per iteration), up to the longest
+     context in the step (a dynamic trip count, so short sequences cost what they are);
+   - for the few sequences that bring several tokens *and* have a context (later chunks of a
+     chunked prefill, prefix-cache hits, recomputation after preemption), a loop over just
+     those sequences walks their pages against the packed tokens.
+
+Same arguments, page layout, masking and results (within float32 rounding) as
+`reference.ragged_paged_attention_reference`, which the tests compare it against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# (running max [R, K, G], denominator [R, K, G], weighted sum of values [R, K, G, H])
+Stats = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _empty_stats(rows: int, num_kv_heads: int, group: int, head_dim: int) -> Stats:
+    return (jnp.full((rows, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((rows, num_kv_heads, group), jnp.float32),
+            jnp.zeros((rows, num_kv_heads, group, head_dim), jnp.float32))
+
+
+def _block_stats(scores: jax.Array, values: jax.Array, value_spec: str) -> Stats:
+    """Softmax statistics of one block of (already masked, -inf) scores `[R, K, G, L]`."""
+    block_max = jnp.max(scores, axis=-1)  # [R, K, G]
+    safe_max = jnp.where(jnp.isfinite(block_max), block_max, 0.0)  # [R, K, G]
+    probabilities = jnp.exp(scores - safe_max[..., None])  # [R, K, G, L]
+    weighted = jnp.einsum(value_spec, probabilities, values)  # [R, K, G, H]
+    return block_max, jnp.sum(probabilities, axis=-1), weighted
+
+
+def _merge(a: Stats, b: Stats) -> Stats:
+    """Combines the statistics of two disjoint key sets (log-sum-exp rescaling)."""
+    max_a, denominator_a, weighted_a = a
+    max_b, denominator_b, weighted_b = b
+    new_max = jnp.maximum(max_a, max_b)  # [R, K, G]
+    # A side that has seen no visible key has max -inf; rescaling by exp(-inf) = 0 drops it.
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    scale_a = jnp.exp(max_a - safe_max)  # [R, K, G]
+    scale_b = jnp.exp(max_b - safe_max)  # [R, K, G]
+    return (new_max, denominator_a * scale_a + denominator_b * scale_b,
+            weighted_a * scale_a[..., None] + weighted_b * scale_b[..., None])
+
+
+def ragged_paged_attention_xla(
+    queries: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Attention of a ragged batch of query tokens to their sequences' paged keys.
+
+    Args:
+        queries: `[T, N, H]` packed query tokens of all sequences.
+        kv_pages: `[P, page_size, 2K, H]` the page pool, keys and values interleaved; this
+            step's keys and values must already be written.
+        kv_lens: `[S]` int32 key count of each sequence (this step's tokens included).
+        page_indices: `[S, pages_per_seq]` int32 page table of each sequence.
+        cu_q_lens: `[S + 1]` int32 query offsets.
+        num_seqs: `[1]` int32 number of real sequences.
+        sm_scale: Softmax scale (usually head_dim ** -0.5).
+        sliding_window: Keys visible per query (itself included), or None for all.
+
+    Returns:
+        `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
+    """
+    num_tokens, num_heads, head_dim = queries.shape
+    num_pages, page_size, combined_heads, _ = kv_pages.shape
+    num_kv_heads = combined_heads // 2
+    group = num_heads // num_kv_heads
+    max_seqs = page_indices.shape[0]
+    window = jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window
+
+    token = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+    sequence = jnp.clip(jnp.searchsorted(cu_q_lens[1:], token, side="right"), 0,
+                        max_seqs - 1).astype(jnp.int32)  # [T]
+    real = token < cu_q_lens[num_seqs[0]]  # [T]
+    position = kv_lens[sequence] - (cu_q_lens[sequence + 1] - token)  # [T]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+    real_seq = jnp.arange(max_seqs) < num_seqs[0]  # [S]
+    context_lens = jnp.where(real_seq, kv_lens - q_lens, 0)  # [S] keys before this step
+    grouped = (queries.astype(jnp.float32) * sm_scale).reshape(
+        num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, H]
+
+    # 1. This step's keys: read back from their slots, attended block-diagonally and causally.
+    slot = (page_indices[sequence, jnp.clip(position, 0) // page_size] * page_size
+            + jnp.clip(position, 0) % page_size)  # [T]
+    new_kv = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)[slot].astype(
+        jnp.float32)  # [T, 2K, H]
+    scores = jnp.einsum("tkgh,ukh->tkgu", grouped, new_kv[:, 0::2])  # [T, K, G, T]
+    distance = position[:, None] - position[None, :]  # [T, T]
+    visible = ((sequence[:, None] == sequence[None, :]) & (distance >= 0) & (distance < window)
+               & real[:, None] & real[None, :])  # [T, T]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    stats = _block_stats(scores, new_kv[:, 1::2], "tkgu,ukh->tkgh")
+
+    # 2a. Earlier keys of decode sequences: one query row per sequence, page by page.
+    decode = real_seq & (q_lens == 1)  # [S]
+    decode_context = jnp.where(decode, context_lens, 0)  # [S]
+    last_token = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)  # [S]
+    decode_queries = grouped[last_token]  # [S, K, G, H]
+    decode_position = kv_lens - 1  # [S]
+
+    def decode_page(page: jax.Array, carry: Stats) -> Stats:
+        block = kv_pages[page_indices[:, page]].astype(jnp.float32)  # [S, ps, 2K, H]
+        page_scores = jnp.einsum("skgh,slkh->skgl", decode_queries,
+                                 block[:, :, 0::2])  # [S, K, G, ps]
+        key_position = page * page_size + jnp.arange(page_size)  # [ps]
+        page_visible = ((key_position[None, :] < decode_context[:, None])
+                        & (decode_position[:, None] - key_position[None, :] < window))
+        page_scores = jnp.where(page_visible[:, None, None, :], page_scores, -jnp.inf)
+        return _merge(carry, _block_stats(page_scores, block[:, :, 1::2], "skgl,slkh->skgh"))
+
+    first_page = 0 if sliding_window is None else jnp.maximum(
+        jnp.min(jnp.where(decode, decode_position - window + 1, jnp.iinfo(jnp.int32).max)),
+        0) // page_size
+    last_page = -(-jnp.max(decode_context) // page_size)
+    decode_stats = jax.lax.fori_loop(
+        first_page, last_page, decode_page,
+        _empty_stats(max_seqs, num_kv_heads, group, head_dim))
+    # Token t takes its sequence's row only if it is that decode sequence's one token.
+    takes_row = decode[sequence] & real  # [T]
+    row_stats = jax.tree.map(lambda value: value[sequence], decode_stats)
+    row_stats = (jnp.where(takes_row[:, None, None], row_stats[0], -jnp.inf),
+                 row_stats[1], row_stats[2])
+    stats = _merge(stats, row_stats)
+
+    # 2b. Earlier keys of multi-token sequences that have a context: those sequences only.
+    continued = real_seq & (q_lens > 1) & (context_lens > 0)  # [S]
+    order = jnp.argsort(~continued, stable=True).astype(jnp.int32)  # [S] flagged first
+
+    def continued_sequence(index: jax.Array, carry: Stats) -> Stats:
+        chosen = order[index]
+        mine = (sequence == chosen) & real  # [T]
+
+        def context_page(page: jax.Array, inner: Stats) -> Stats:
+            block = kv_pages[page_indices[chosen, page]].astype(jnp.float32)  # [ps, 2K, H]
+            page_scores = jnp.einsum("tkgh,lkh->tkgl", grouped, block[:, 0::2])  # [T,K,G,ps]
+            key_position = page * page_size + jnp.arange(page_size)  # [ps]
+            page_visible = (mine[:, None] & (key_position[None, :] < context_lens[chosen])
+                            & (position[:, None] - key_position[None, :] < window))
+            page_scores = jnp.where(page_visible[:, None, None, :], page_scores, -jnp.inf)
+            return _merge(inner, _block_stats(page_scores, block[:, 1::2], "tkgl,lkh->tkgh"))
+
+        return jax.lax.fori_loop(0, -(-context_lens[chosen] // page_size), context_page, carry)
+
+    stats = jax.lax.fori_loop(0, jnp.sum(continued), continued_sequence, stats)
+
+    _, denominator, weighted = stats
+    out = weighted / jnp.where(denominator > 0, denominator, 1.0)[..., None]  # [T, K, G, H]
+    out = jnp.where(real[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(queries.dtype)  # [T, N, H]
