@@ -18,7 +18,7 @@ from jaxinfer.models import Transformer, create_model
 
 # Models trained by `train_distill` and shipped inside the package (see its README.md).
 BUILTIN_DIRECTORY = Path(__file__).parent / "builtin_models"
-BUILTIN_MODELS = {"demo": "demo"}
+BUILTIN_MODELS = {"demo": "demo", "demo-draft": "demo_draft"}
 
 
 def resolve_model_path(model: str | os.PathLike[str]) -> Path:
@@ -43,8 +43,9 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
 
     Args:
         model: A Hugging Face checkpoint directory (config.json + safetensors), a directory
-            written by `checkpoints.save_model`, `builtin:demo` (the
-            shipped demo models), or `random:PRESET` for a randomly initialized preset.
+            written by `checkpoints.save_model`, `builtin:demo` or
+            `builtin:demo-draft` (the shipped demo models), or `random:PRESET` for a randomly
+            initialized preset.
         mesh: Optional device mesh to place the parameters on.
         layout: Sharding layout for `mesh`.
         **config_overrides: ModelConfig fields, e.g. `dtype="bfloat16"` (HF directories only).

@@ -18,7 +18,7 @@ PROMPT = "The list type is"
 COMMON_WORDS = {"the", "a", "is", "of", "to", "and", "in", "be", "that", "for", "are"}
 
 
-@pytest.mark.parametrize("name", ["demo"])
+@pytest.mark.parametrize("name", ["demo", "demo-draft"])
 def test_builtin_matches_transformers(name):
     directory = resolve_model_path(f"builtin:{name}")
     ids = load_tokenizer(directory).encode(PROMPT + " used to store")
@@ -29,9 +29,15 @@ def test_builtin_matches_transformers(name):
     assert relative_error(ours, theirs) < 1e-4
 
 
-def test_demo_vocabulary_matches_its_tokenizer():
+def test_demo_vocabulary_matches_its_tokenizer_and_the_drafter_shares_it():
     tokenizer = load_tokenizer(resolve_model_path("builtin:demo"))
-    assert load_model("builtin:demo").config.vocab_size == tokenizer.vocab_size
+    teacher, drafter = load_model("builtin:demo"), load_model("builtin:demo-draft")
+    assert teacher.config.vocab_size == drafter.config.vocab_size == tokenizer.vocab_size
+    files = [(resolve_model_path(name) / "tokenizer.model").read_bytes()
+             for name in ("builtin:demo", "builtin:demo-draft")]
+    assert files[0] == files[1]
+    # The drafter is the small one (speculative decoding needs it cheap).
+    assert drafter.config.num_layers < teacher.config.num_layers
 
 
 def test_generate_prints_recognizable_text(capsys):
