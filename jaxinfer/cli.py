@@ -6,6 +6,14 @@
 With neither --prompt nor --prompt-token-ids the prompt text is read from stdin. With --json
 one object `{"token_ids": [...], "text": "..."}` is printed for the generated part only;
 `text` is null when the model directory has no tokenizer (then token ids are required).
+
+    jaxinfer bench throughput --model random:bench-30m [--num-prompts 64]
+                              [--input-len-range 64,256] [--output-len 128] [--compare-hf]
+    jaxinfer bench latency --model random:bench-30m [--batch-size 1,16] [--input-len 32]
+                           [--output-len 128] [--iterations 5] [--compare-hf]
+
+Both print a markdown table; `--output-json PATH` writes the numbers and `--markdown PATH`
+appends a report section (command, machine, date, numbers). See `jaxinfer.bench`.
 """
 
 from __future__ import annotations
@@ -95,12 +103,159 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _length(text: str) -> int | tuple[int, int]:
+    from jaxinfer.bench.workload import parse_length
+
+    try:
+        return parse_length(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    from jaxinfer.bench.latency import parse_batch_sizes
+
+    try:
+        return parse_batch_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | None,
+                      max_num_batched_tokens: int | None, min_token_bucket: int | None) -> None:
+    """Model, size, engine and report flags both benchmarks take."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="random:bench-30m",
+                       help="HF checkpoint directory, jaxinfer checkpoint, builtin:demo or "
+                            "random:PRESET (default: random:bench-30m)")
+    for flag, what in (("--vocab-size", "vocabulary"), ("--hidden-size", "model width"),
+                       ("--num-layers", "decoder blocks"), ("--num-heads", "query heads"),
+                       ("--num-kv-heads", "key/value heads"),
+                       ("--intermediate-size", "MLP width")):
+        model.add_argument(flag, type=int, default=None,
+                           help=f"{what} of a random:PRESET model (default: the preset's)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                       help="parameter and compute dtype (default: the model's)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    engine.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
+                        help="most running requests (largest sequence bucket)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+                        help="token budget of a step (largest token bucket)")
+    engine.add_argument("--min-token-bucket", type=int, default=min_token_bucket,
+                        help="smallest token bucket (fewer buckets: faster warm-up)")
+    engine.add_argument("--bucket-growth", type=int, default=2,
+                        help="ratio of consecutive buckets (4: fewer programs, more padding)")
+    engine.add_argument("--enable-prefix-caching", action="store_true",
+                        help="share KV pages of identical prompt blocks (default off)")
+    peer = parser.add_argument_group("comparison and reports")
+    peer.add_argument("--compare-hf", action="store_true",
+                      help="also run HF transformers generate on the same weights "
+                           "(needs torch and transformers: pip install -e \".[test]\")")
+    peer.add_argument("--hf-threads", type=int, default=None,
+                      help="torch intra-op threads for the HF peer (default: torch's)")
+    peer.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    peer.add_argument("--output-json", metavar="PATH", help="write the numbers as JSON")
+    peer.add_argument("--markdown", metavar="PATH", help="append a markdown report section")
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmark the engine (throughput, latency)",
+                                  description="Benchmark the engine, optionally against HF "
+                                              "transformers on the same weights.")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = kinds.add_parser(
+        "throughput", help="offline throughput: every request submitted at once",
+        description="Offline throughput: every request submitted at once, greedy, exactly "
+                    "--output-len tokens each.")
+    throughput.add_argument("--num-prompts", type=int, default=64, help="number of requests")
+    throughput.add_argument("--input-len-range", type=_length, default=(64, 256),
+                            metavar="N|LOW,HIGH", help="prompt length or inclusive range")
+    throughput.add_argument("--output-len", type=_length, default=128, metavar="N|LOW,HIGH",
+                            help="output length or inclusive range")
+    throughput.add_argument("--hf-batch-size", type=int, default=16,
+                            help="HF static batch size")
+    _add_bench_common(throughput, max_num_seqs=64, max_num_batched_tokens=1024,
+                      min_token_bucket=64)
+    throughput.set_defaults(handler=_run_bench)
+    latency = kinds.add_parser(
+        "latency", help="decode latency at fixed batch sizes",
+        description="Per-output-token decode latency, (t(N) - t(1)) / (N - 1), and "
+                    "end-to-end latency at fixed batch sizes.")
+    latency.add_argument("--batch-size", type=_batch_sizes, default=(1, 16), metavar="B[,B]",
+                         help="batch sizes (default: 1,16)")
+    latency.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    latency.add_argument("--output-len", type=int, default=128, help="generated tokens")
+    latency.add_argument("--iterations", type=int, default=5, help="timed runs (median)")
+    _add_bench_common(latency, max_num_seqs=None, max_num_batched_tokens=None,
+                      min_token_bucket=1)
+    latency.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    # Imported here so that `jaxinfer --help` answers without initializing jax or torch.
+    from jaxinfer.bench import hf_peer, latency, throughput
+    from jaxinfer.bench.workload import make_requests
+
+    try:
+        if args.compare_hf:
+            hf_peer.require_transformers()  # fail now, not after the engine run
+        dtype = args.dtype
+        model = throughput.load_bench_model(
+            args.model, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+            num_layers=args.num_layers, num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
+            dtype=dtype, param_dtype=dtype)
+        if args.bench_command == "throughput":
+            settings = throughput.EngineSettings(
+                page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, min_token_bucket=args.min_token_bucket,
+                enable_prefix_caching=args.enable_prefix_caching,
+                bucket_growth=args.bucket_growth)
+            requests = make_requests(args.num_prompts, vocab_size=model.config.vocab_size,
+                                     input_len=args.input_len_range,
+                                     output_len=args.output_len, seed=args.seed)
+            result = throughput.run_throughput(model, requests, settings,
+                                               compare_hf=args.compare_hf,
+                                               hf_batch_size=args.hf_batch_size,
+                                               hf_threads=args.hf_threads)
+            table, title = throughput.throughput_table(result), "jaxinfer bench throughput"
+        else:
+            max_seqs = args.max_num_seqs or max(args.batch_size)
+            settings = throughput.EngineSettings(
+                page_size=args.page_size, max_num_seqs=max_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens or max(
+                    max_seqs, latency.default_token_budget(args.batch_size, args.input_len)),
+                min_token_bucket=args.min_token_bucket,
+                enable_prefix_caching=args.enable_prefix_caching,
+                bucket_growth=args.bucket_growth)
+            result = latency.run_latency(
+                model, batch_sizes=args.batch_size, input_len=args.input_len,
+                output_len=args.output_len, iterations=args.iterations, settings=settings,
+                compare_hf=args.compare_hf, hf_threads=args.hf_threads, seed=args.seed)
+            table, title = latency.latency_table(result), "jaxinfer bench latency"
+    except hf_peer.HFUnavailableError as error:
+        raise CommandError(str(error)) from None
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        raise CommandError(str(error)) from None
+    result["model"] = throughput.describe_model(model, args.model)
+    result["command"] = throughput.command_line(args.argv)
+    result["machine"] = throughput.machine_info()
+    print(table)
+    if args.output_json:
+        throughput.write_json(args.output_json, result)
+    if args.markdown:
+        throughput.append_markdown(args.markdown, title, result, table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="jaxinfer",
                                      description="JAX/XLA inference for Llama-family models.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_bench(subparsers)
     return parser
 
 
@@ -108,10 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `jaxinfer` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.handler(args)
     except CommandError as error:
-        print(f"jaxinfer {args.command}: error: {error}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "bench_command", None))))
+        print(f"jaxinfer {command}: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -391,6 +391,11 @@ def _tiny() -> ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": _tiny(),
     "tiny-moe": _tiny().replace(model_type="mixtral", num_experts=4, num_experts_per_token=2),
+    # The engine benchmark's target (`jaxinfer bench`): a 34M-parameter fp32 Llama, small
+    # enough for random weights on a CPU, big enough that a step is compute, not dispatch.
+    "bench-30m": ModelConfig(
+        model_type="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536,
+        num_layers=8, num_heads=8, num_kv_heads=4, max_position_embeddings=2048),
     "llama-2-7b": ModelConfig(
         model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
         num_layers=32, num_heads=32, num_kv_heads=32, rms_norm_eps=1e-5,
