@@ -51,8 +51,15 @@ def write_to_pages(kv_pages: jax.Array, keys: jax.Array, values: jax.Array,
     interleaved = jnp.stack([keys, values], axis=2).reshape(
         keys.shape[0], combined_heads, head_dim).astype(kv_pages.dtype)  # [T, 2K, H]
     flat = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)  # [P*ps, 2K, H]
+    slots = slot_mapping
+    if slots.shape[0] == 1:
+        # XLA rewrites a one-row scatter into a dynamic-update-slice that, on CPU, copies the
+        # whole pool (3-4 pool copies per layer: a batch-1 decode step ran 5x slower). A second,
+        # dropped row keeps it a real scatter, which updates the donated pool in place.
+        interleaved = jnp.concatenate([interleaved, jnp.zeros_like(interleaved)])  # [2, 2K, H]
+        slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])  # [2]
     # Negative slots become out of range so that mode="drop" skips them.
-    slots = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)  # [T]
+    slots = jnp.where(slots < 0, num_pages * page_size, slots)  # [T]
     flat = flat.at[slots].set(interleaved, mode="drop")
     return flat.reshape(kv_pages.shape)
 

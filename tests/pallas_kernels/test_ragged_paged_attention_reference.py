@@ -3,6 +3,9 @@ contiguous keys, and the XLA path against the reference on random ragged batches
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,6 +92,31 @@ def test_write_to_pages_interleaves_and_drops_padding():
     out = np.asarray(write_to_pages(pages, keys, values, jnp.asarray([3, -1])))
     np.testing.assert_array_equal(out[1, 1, :, 0], [1.0, 11.0, 2.0, 12.0])  # slot 3 = (1, 1)
     assert np.count_nonzero(out) == 4  # the padding token wrote nothing
+
+
+@pytest.mark.parametrize("slot", [5, -1])
+def test_write_to_pages_of_one_token(slot):
+    pages = jnp.zeros((3, 2, 4, 1))  # [P, page_size, 2K, H]
+    keys = jnp.asarray([[[1.0], [2.0]]])  # [T=1, K, H]
+    out = np.asarray(write_to_pages(pages, keys, keys + 10.0, jnp.asarray([slot])))
+    if slot < 0:
+        assert np.count_nonzero(out) == 0
+    else:
+        np.testing.assert_array_equal(out[2, 1, :, 0], [1.0, 11.0, 2.0, 12.0])
+        assert np.count_nonzero(out) == 4
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 16])
+def test_write_to_pages_updates_a_donated_pool_in_place(num_tokens):
+    # A copy of the pool per step would make every step cost the pool's size (it did for
+    # one-token steps: XLA's one-row scatter rewrite copied the pool on CPU).
+    pages = jnp.zeros((64, 16, 8, 32))  # [P, page_size, 2K, H]
+    keys = jnp.ones((num_tokens, 4, 32))  # [T, K, H]
+    slots = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+    compiled = jax.jit(write_to_pages, donate_argnums=0).lower(
+        pages, keys, keys, slots).compile().as_text()
+    pool_copies = re.findall(r"= f32\[(?:64,16,8,32|1024,8,32)\]\{[0-9,]+\} copy\(", compiled)
+    assert not pool_copies
 
 
 def test_unknown_implementation_is_named():
