@@ -161,9 +161,18 @@ class Attention(nnx.Module):
 
         attended = dot_product_attention(queries, all_keys, all_values, positions,
                                          key_positions, self.sliding_window)  # [B, T, N, H]
-        attended = linear_input(attended)  # [B, T, N, H]
-        out = jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
+        out = self._output_projection(attended)
         return out, cache  # [B, T, D]
+
+    def _output_projection(self, attended: jax.Array) -> jax.Array:
+        """`[B, T, N, H]` attention outputs to `[B, T, D]` through o_proj."""
+        attended = linear_input(attended)  # [B, T, N, H]
+        batch, length, num_heads, head_dim = attended.shape
+        weight = self.o_proj[...].astype(self.dtype)  # [N, H, D]
+        # One [N*H, D] matmul: contracting (n, h) as two einsum axes made XLA on CPU copy a
+        # transposed o_proj in every step.
+        return jnp.einsum("bte,ed->btd", attended.reshape(batch, length, num_heads * head_dim),
+                          weight.reshape(num_heads * head_dim, -1))  # [B, T, D]
 
     def _paged(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
                cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:
@@ -175,6 +184,5 @@ class Attention(nnx.Module):
             queries[0], pages.astype(self.dtype), batch.kv_lens, batch.page_indices,
             batch.cu_q_lens, batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
             sliding_window=self.sliding_window)[None]  # [1, T, N, H]
-        attended = linear_input(attended)  # [1, T, N, H]
-        out = jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
+        out = self._output_projection(attended)
         return out, PagedLayerCache(pages, batch)  # [1, T, D]

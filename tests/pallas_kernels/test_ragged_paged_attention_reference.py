@@ -148,3 +148,20 @@ def test_xla_path_equals_the_reference_on_random_ragged_batches(seed):
         got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
                                      implementation="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
+
+
+@pytest.mark.parametrize("query_lens", [[300, 1, 150, 7], [1, 1, 129, 127, 2], [512]])
+def test_xla_path_tiles_long_steps_like_the_reference(query_lens):
+    # T = 512 takes the tiled path for this step's keys; sequences cross tile boundaries.
+    rng = np.random.default_rng(sum(query_lens))
+    context_lens = [int(rng.integers(0, 40)) for _ in query_lens]
+    longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
+    inputs, _ = _case(rng, query_lens, context_lens, page_size=16,
+                      pages_per_seq=-(-longest // 16), padded_tokens=512 - sum(query_lens),
+                      padded_seqs=1)
+    for window in (None, 100):
+        expected = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                          implementation="reference")
+        got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                     implementation="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
