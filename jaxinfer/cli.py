@@ -19,6 +19,7 @@ appends a report section (command, machine, date, numbers). See `jaxinfer.bench`
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 from collections.abc import Sequence
@@ -159,7 +160,7 @@ def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | No
     peer.add_argument("--markdown", metavar="PATH", help="append a markdown report section")
 
 
-def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+def _add_bench(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
     bench = subparsers.add_parser("bench", help="benchmark the engine (throughput, latency)",
                                   description="Benchmark the engine, optionally against HF "
                                               "transformers on the same weights.")
@@ -190,6 +191,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     _add_bench_common(latency, max_num_seqs=None, max_num_batched_tokens=None,
                       min_token_bucket=1)
     latency.set_defaults(handler=_run_bench)
+    return kinds
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -255,8 +257,22 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="JAX/XLA inference for Llama-family models.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
-    _add_bench(subparsers)
+    bench_kinds = _add_bench(subparsers)
+    _add_plugins(subparsers, bench_kinds)
     return parser
+
+
+# Packages that build on jaxinfer (serve: `jaxinfer serve`, `jaxinfer bench serve`) add their
+# commands through this entry-point group, so jaxinfer itself never imports them. Each entry
+# point is a function `register(subparsers, bench_subparsers)`.
+PLUGIN_GROUP = "jaxinfer.cli"
+
+
+def _add_plugins(subparsers: argparse._SubParsersAction,
+                 bench_kinds: argparse._SubParsersAction) -> None:
+    for entry_point in sorted(importlib.metadata.entry_points(group=PLUGIN_GROUP),
+                              key=lambda entry: entry.name):
+        entry_point.load()(subparsers, bench_kinds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

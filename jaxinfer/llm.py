@@ -36,6 +36,26 @@ def _as_list(value: Any, single: type | tuple[type, ...]) -> list[Any]:
     return [value] if isinstance(value, single) else list(value)
 
 
+
+def render_chat_prompt(tokenizer: Tokenizer, conversation: Sequence[Mapping[str, Any]], *,
+                       chat_template: str | None = None, add_generation_prompt: bool = True,
+                       chat_template_kwargs: Mapping[str, Any] | None = None
+                       ) -> dict[str, Any]:
+    """One conversation as an engine prompt `{"prompt": text, "prompt_token_ids": ids}`.
+
+    The template already writes the special tokens (BOS, role headers), so the text is
+    encoded without adding them again. `LLM.chat` and the servers' chat endpoints share this.
+
+    Raises:
+        ChatTemplateError: No template, or the template rejected the conversation.
+    """
+    text = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+        chat_template=chat_template, **dict(chat_template_kwargs or {}))
+    return {"prompt": text,
+            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
 class LLM:
     """A model and its engine, for offline generation from Python.
 
@@ -137,11 +157,10 @@ class LLM:
                 if not isinstance(message, Mapping) or "role" not in message:
                     raise ValueError(f"chat message {message!r} needs a 'role' (and usually "
                                      "'content')")
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                chat_template=chat_template, **dict(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(
-                text, add_special_tokens=False)})
+            prompts.append(render_chat_prompt(
+                self.tokenizer, conversation, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs))
         return self.generate(prompts, sampling_params)
 
     # ------------------------------------------------------------------ helpers

@@ -24,7 +24,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from jaxinfer.engine.engine import Engine, Prompt
+from jaxinfer.engine.engine import Engine, EngineStats, Prompt
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 
@@ -112,6 +112,11 @@ class AsyncEngine:
     def num_unfinished_requests(self) -> int:
         """Requests being served now."""
         return len(self._streams)
+
+    def stats(self) -> EngineStats:
+        """The engine's `stats()`, taken between steps."""
+        with self._lock:
+            return self.engine.stats()
 
     # ------------------------------------------------------------------ requests
 

@@ -87,6 +87,28 @@ class EngineConfig:
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """What `Engine.stats()` reports.
+
+    Attributes:
+        num_running: Sequences (samples) scheduled in the running set.
+        num_waiting: Sequences waiting for admission (new or preempted).
+        kv_cache_usage: Fraction of the page pool held by requests (cached-but-free pages
+            count as free: they are evicted on demand).
+        prefix_cache_hit_rate: Fraction of admitted prompt tokens served by the prefix cache.
+        num_preemptions: Preemptions since the engine was built.
+        num_steps: Device steps run since the engine was built.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+
+
 class _RequestState:
     """One user request: its prompt, parameters, samples and prompt logprobs."""
 
@@ -386,6 +408,17 @@ class Engine:
         return [state.output() for state in touched.values()]
 
     # ------------------------------------------------------------------ metrics
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's load, for a server's metrics and admission control."""
+        manager = self.scheduler.kv_cache_manager
+        usable = self.config.num_pages - 1  # the null page is never handed out
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=1.0 - manager.num_free_blocks / usable,
+            prefix_cache_hit_rate=manager.prefix_cache_hit_rate,
+            num_preemptions=self.num_preemptions, num_steps=self.num_steps)
 
     @property
     def num_free_pages(self) -> int:

@@ -1,0 +1,137 @@
+"""`jaxinfer serve` and `jaxinfer bench serve`, added to the `jaxinfer` command.
+
+    jaxinfer serve --model builtin:demo [--host 127.0.0.1] [--grpc-port 50051]
+                   [--http-port 8000] [--api-key KEY] [engine options]
+    jaxinfer bench serve --backend openai|grpc --port 8000 [--request-rate 4]
+                         [--num-prompts 64] [--max-concurrency 16]
+
+jaxinfer never imports this package: the `jaxinfer.cli` entry point in pyproject.toml points
+`jaxinfer.cli` at `register`. Only argparse is imported at registration, so `jaxinfer --help`
+stays instant; the engine, grpc and aiohttp load when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The EngineConfig fields a server takes (vLLM's flag names)."""
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=int, default=32,
+                        help="most requests running at once")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="token budget of one step")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output (default: the model's)")
+    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    engine.add_argument("--num-pages", type=int, default=None,
+                        help="KV pages (default: max-num-seqs full-length sequences)")
+    engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", help="turn automatic prefix caching off")
+    engine.add_argument("--no-prompt-logprobs", dest="enable_prompt_logprobs",
+                        action="store_false",
+                        help="do not compile the prompt-logprobs step (halves warm-up)")
+    engine.add_argument("--min-token-bucket", type=int, default=16,
+                        help="smallest token bucket")
+    engine.add_argument("--bucket-growth", type=int, default=4,
+                        help="ratio of consecutive buckets (fewer programs to compile)")
+    engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="parameter and compute dtype (default: the checkpoint's)")
+
+
+def register(subparsers: argparse._SubParsersAction,
+             bench_subparsers: argparse._SubParsersAction) -> None:
+    """Adds `serve` and `bench serve` to the jaxinfer command line."""
+    serve = subparsers.add_parser(
+        "serve", help="serve a model over gRPC and an OpenAI-compatible HTTP API",
+        description="Serve a model: gRPC (jaxinfer.v1.Inference, JetStream's Orchestrator, "
+                    "health, reflection) and OpenAI-compatible HTTP (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /metrics).")
+    serve.add_argument("--model", required=True,
+                       help="HF directory, jaxinfer checkpoint, builtin:NAME or random:PRESET")
+    serve.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the "
+                                                         "model's)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients use (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind (default loopback; 0.0.0.0 exposes it)")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: free)")
+    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: free)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'authorization: Bearer KEY' on every call")
+    serve.add_argument("--max-queued-requests", type=int, default=256,
+                       help="waiting requests before new ones get 429 / RESOURCE_EXHAUSTED")
+    serve.add_argument("--chat-template", default=None,
+                       help="jinja chat template (a file, or the source itself) for "
+                            "/v1/chat/completions; default: the tokenizer's")
+    serve.add_argument("--grace-period", type=float, default=10.0,
+                       help="seconds a stop waits for in-flight requests")
+    _add_engine_options(serve)
+    serve.set_defaults(handler=_run_serve)
+
+    from serve.bench_serve import add_arguments
+
+    bench = bench_subparsers.add_parser(
+        "serve", help="load-test a running server (vLLM's serving benchmark)",
+        description="Send requests to a running server at a Poisson/gamma rate (or all at "
+                    "once), streaming, and report throughput, TTFT, TPOT, ITL and latency.")
+    add_arguments(bench)
+    bench.set_defaults(handler=_run_bench_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.cli import CommandError
+    from jaxinfer.engine.async_engine import AsyncEngine
+    from jaxinfer.engine.engine import Engine
+    from serve.server import Server, ServerAddress
+    from serve.service import InferenceService, ServiceConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    options = {name: getattr(args, name) for name in (
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages",
+        "enable_prefix_caching", "enable_prompt_logprobs", "min_token_bucket", "bucket_growth")}
+    try:
+        engine = Engine.from_pretrained(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                                        **options)
+        service = InferenceService(AsyncEngine(engine, warm_up=True), ServiceConfig(
+            model_name=args.served_model_name or args.model,
+            max_queued_requests=args.max_queued_requests, api_key=args.api_key,
+            chat_template=_read_template(args.chat_template)))
+    except (ValueError, FileNotFoundError) as error:
+        raise CommandError(str(error)) from None
+    print(f"jaxinfer: loaded {args.model}; compiling every step shape (warm-up)", flush=True)
+    server = Server(service, ServerAddress(args.host, args.grpc_port, args.http_port),
+                    grace_seconds=args.grace_period)
+    try:
+        return asyncio.run(server.run())
+    except OSError as error:  # a port in use
+        raise CommandError(f"cannot listen: {error}") from None
+
+
+def _read_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is no file."""
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text(encoding="utf-8") if path.is_file() else value
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.cli import CommandError
+    from serve.bench_serve import run_from_args
+
+    try:
+        return run_from_args(args)
+    except (ValueError, OSError, ConnectionError) as error:
+        raise CommandError(str(error)) from None
+
+
+if __name__ == "__main__":
+    from jaxinfer.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

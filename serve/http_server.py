@@ -1,0 +1,407 @@
+"""The OpenAI-compatible HTTP front end (aiohttp) over the shared `InferenceService`.
+
+    POST /v1/completions        POST /v1/chat/completions   (JSON, or SSE with stream: true)
+    GET  /v1/models             GET  /health                GET  /metrics (Prometheus)
+
+Several prompts in one completions request (or n > 1) become several engine requests served
+concurrently; their outputs are merged into one response whose choice index is
+`prompt_index * n + sample_index`, as OpenAI numbers them. The server runs with aiohttp's
+`handler_cancellation`, so a client that disconnects cancels its handler, which closes the
+engine streams (`contextlib.aclosing`) and so aborts the requests and frees their pages.
+
+Not served: `echo` and `suffix` (completions) and tools (chat) are refused with a 400 naming
+the field rather than silently ignored; `user` is accepted and ignored.
+
+Shutdown (`Server.stop`): the runner's `shutdown()` closes the listening socket and makes
+requests that still arrive on open keep-alive connections answer 503, while the responses in
+flight run on; `cleanup()` then gives them `_SHUTDOWN_TIMEOUT` seconds before cancelling
+their handlers (which aborts their engine requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import jinja2
+from aiohttp import web
+
+from jaxinfer.engine.async_engine import EngineDeadError
+from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.llm import render_chat_prompt
+from serve import openai_protocol as protocol
+from serve.metrics import CONTENT_TYPE
+from serve.service import (
+    InferenceService,
+    InvalidRequestError,
+    OverloadedError,
+    UnauthenticatedError,
+)
+
+logger = logging.getLogger("jaxinfer.serve.http")
+
+# Server.stop has already waited its grace period for in-flight requests when cleanup() runs,
+# so the responses still open then get only a short while before their handlers are cancelled.
+_SHUTDOWN_TIMEOUT = 3.0
+
+
+@dataclasses.dataclass
+class _State:
+    """What the handlers share: the service, and the runner once it exists (for shutdown)."""
+
+    service: InferenceService
+    runner: web.AppRunner | None = None
+    draining: bool = False
+
+
+_STATE = web.AppKey("state", _State)
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _error(status: int, message: str, param: str | None = None,
+           kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response(protocol.error_body(message, status, param, kind), status=status)
+
+
+@web.middleware
+async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The API key check and the mapping of service errors to HTTP statuses."""
+    state = request.app[_STATE]
+    try:
+        if request.path not in _OPEN_PATHS:
+            if state.draining:
+                return _error(503, "the server is shutting down", kind="service_unavailable")
+            state.service.check_api_key(request.headers.get("authorization"))
+        return await handler(request)
+    except UnauthenticatedError as error:
+        return _error(401, str(error), kind="authentication_error")
+    except InvalidRequestError as error:
+        return _error(400, error.message, error.field)
+    except OverloadedError as error:
+        return _error(429, str(error), kind="rate_limit_error")
+    except EngineDeadError as error:
+        return _error(503, str(error), kind="service_unavailable")
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        # aiohttp's own refusals (unknown path, wrong method, body too large) in OpenAI's
+        # shape too, so clients that parse {"error": ...} report them properly.
+        return _error(error.status, error.reason, kind="invalid_request_error")
+    except ConnectionError:
+        raise  # the client went away: nobody to answer
+    except Exception as error:  # a bug: answer in OpenAI's shape rather than a bare 500 page
+        logger.exception("request %s %s failed", request.method, request.path)
+        return _error(500, f"internal error: {error!r}", kind="server_error")
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidRequestError(None, f"the body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError(None, "the body must be a JSON object")
+    return body
+
+
+def _check_model(service: InferenceService, body: dict[str, Any]) -> web.Response | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("model", "model must be a string")
+    if model is not None and model != service.model_name:
+        return _error(404, f"the model {model!r} does not exist; this server serves "
+                           f"{service.model_name!r}", "model", "not_found_error")
+    return None
+
+
+async def _merged(service: InferenceService, prompts: Sequence[Any],
+                  params: Sequence[SamplingParams], request_id: str
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Runs one engine request per prompt concurrently; yields (prompt index, output).
+
+    The engine requests are named `{request_id}-{prompt index}`. Closing this iterator (the
+    handler was cancelled, or one prompt failed) cancels every pump, and each pump's
+    `aclosing` aborts its engine request.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, prompt: Any, sampling: SamplingParams) -> None:
+        try:
+            async with contextlib.aclosing(service.generate(
+                    prompt, sampling, f"{request_id}-{index}")) as stream:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            queue.put_nowait(None)
+        except Exception as error:  # handed to the handler, which maps it to a status
+            queue.put_nowait(error)
+
+    tasks = [asyncio.create_task(pump(index, prompt, sampling))
+             for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:  # a disconnect or an error: abort every sibling request too
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Endpoint:
+    """One completions-style request in flight: builds choices, deltas and usage."""
+
+    def __init__(self, service: InferenceService, parsed: protocol.ParsedRequest,
+                 prompts: list[Any], params: list[SamplingParams]) -> None:
+        self.service, self.parsed, self.prompts, self.params = service, parsed, prompts, params
+        self.n = params[0].n
+        self.kind = "chat.completion" if parsed.chat else "text_completion"
+        self.prefix = "chatcmpl" if parsed.chat else "cmpl"
+        self.trackers: dict[int, protocol.ChoiceTracker] = {}
+        self.last: dict[int, RequestOutput] = {}
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        """OpenAI's (and vLLM's) numbering of choices across prompts and samples."""
+        return prompt_index * self.n + sample_index
+
+    def usage(self) -> dict[str, int]:
+        """Token counts so far: each prompt once, every sample's generated tokens."""
+        prompt = sum(len(output.prompt_token_ids) for output in self.last.values())
+        completion = sum(len(sample.token_ids) for output in self.last.values()
+                         for sample in output.outputs)
+        return protocol.usage_of(prompt, completion)
+
+    def logprobs(self, token_ids: list[int], entries: list | None, offset: int) -> Any:
+        """The `logprobs` object of a choice (or a delta), None when not requested."""
+        top = self.parsed.fields["logprobs"]
+        if top is None or entries is None:
+            return None
+        tokenizer = self.service.tokenizer
+        if self.parsed.chat:
+            return protocol.chat_logprobs(tokenizer, token_ids, entries, top)
+        return protocol.completion_logprobs(tokenizer, token_ids, entries, offset, top)
+
+    def full_choices(self) -> list[dict[str, Any]]:
+        """Every choice of the finished request, for the non-streamed response."""
+        choices = []
+        for prompt_index, output in sorted(self.last.items()):
+            for sample in output.outputs:
+                index = self.choice_index(prompt_index, sample.index)
+                logprobs = self.logprobs(list(sample.token_ids), sample.logprobs, 0)
+                if self.parsed.chat:
+                    choices.append({"index": index, "logprobs": logprobs,
+                                    "finish_reason": sample.finish_reason,
+                                    "message": {"role": "assistant", "content": sample.text}})
+                else:
+                    choices.append({"index": index, "text": sample.text, "logprobs": logprobs,
+                                    "finish_reason": sample.finish_reason})
+        return sorted(choices, key=lambda choice: choice["index"])
+
+    def delta_choices(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        """The choices of one streamed chunk: what each sample added since its last chunk.
+
+        Outputs are cumulative and the engine never takes text back (it holds back what a
+        stop string could still claim), so a delta is the part past what was sent.
+        """
+        choices = []
+        for sample in output.outputs:
+            index = self.choice_index(prompt_index, sample.index)
+            tracker = self.trackers.setdefault(index, protocol.ChoiceTracker())
+            if tracker.finished:
+                continue
+            first = tracker.sent_tokens == 0 and tracker.sent_text == 0
+            text, tokens, start = tracker.delta(sample)
+            tracker.finished = sample.finish_reason is not None
+            if not text and not tokens and not tracker.finished:
+                continue
+            entries = sample.logprobs[start:start + len(tokens)] if sample.logprobs else None
+            logprobs = self.logprobs(tokens, entries, tracker.sent_text - len(text))
+            if self.parsed.chat:
+                delta: dict[str, Any] = {"content": text}
+                if first:
+                    delta["role"] = "assistant"
+                choices.append({"index": index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": sample.finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": sample.finish_reason})
+        return choices
+
+    async def respond(self, request: web.Request) -> web.StreamResponse:
+        """Runs the request and answers with one JSON response or an SSE stream."""
+        request_id = self.service.new_request_id(self.prefix)
+        stream = _merged(self.service, self.prompts, self.params, request_id)
+        if not self.parsed.stream:
+            async with contextlib.aclosing(stream):
+                async for prompt_index, output in stream:
+                    self.last[prompt_index] = output
+            return web.json_response(protocol.envelope(
+                self.kind, request_id, self.service.model_name, self.full_choices(),
+                self.usage()))
+        chunk_kind = "chat.completion.chunk" if self.parsed.chat else "text_completion"
+        response: web.StreamResponse | None = None
+        failed = False
+        async with contextlib.aclosing(stream):
+            try:
+                async for prompt_index, output in stream:
+                    if response is None:  # headers once the engine accepted the request
+                        response = web.StreamResponse(headers={
+                            "content-type": "text/event-stream", "cache-control": "no-cache"})
+                        await response.prepare(request)
+                    self.last[prompt_index] = output
+                    choices = self.delta_choices(prompt_index, output)
+                    if choices:
+                        await _send(response, protocol.envelope(
+                            chunk_kind, request_id, self.service.model_name, choices))
+            except Exception as error:
+                if response is None or isinstance(error, ConnectionError):
+                    raise  # nothing sent yet: the middleware answers with a status
+                # The status line is gone (e.g. one prompt of a batch was refused, or the
+                # engine died): an error event tells the client, which raises it (openai's
+                # client raises APIError on a chunk holding "error").
+                logger.warning("stream %s failed: %r", request_id, error)
+                failed = True
+                await _send(response, protocol.error_body(str(error), 500, None,
+                                                          "server_error"))
+        assert response is not None  # every engine request yields at least its final output
+        if self.parsed.include_usage and not failed:
+            await _send(response, protocol.envelope(chunk_kind, request_id,
+                                                    self.service.model_name, [], self.usage()))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    await response.write(f"data: {json.dumps(body)}\n\n".encode())
+
+
+def _params_for(service: InferenceService, parsed: protocol.ParsedRequest,
+                token_ids: list[list[int]]) -> list[SamplingParams]:
+    # Completions default to OpenAI's 16 tokens; chat to the rest of the context, as vLLM.
+    default = None if parsed.chat else 16
+    return [service.sampling_params(parsed.fields, len(ids), default) for ids in token_ids]
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    service = request.app[_STATE].service
+    body = await _json_body(request)
+    wrong_model = _check_model(service, body)
+    if wrong_model is not None:
+        return wrong_model
+    parsed = protocol.parse_completion(body)
+    token_ids = [service.encode_prompt(prompt) for prompt in parsed.prompts]
+    params = _params_for(service, parsed, token_ids)
+    prompts = [{"prompt": prompt, "prompt_token_ids": ids} if isinstance(prompt, str)
+               else ids for prompt, ids in zip(parsed.prompts, token_ids, strict=True)]
+    return await _Endpoint(service, parsed, prompts, params).respond(request)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    service = request.app[_STATE].service
+    body = await _json_body(request)
+    wrong_model = _check_model(service, body)
+    if wrong_model is not None:
+        return wrong_model
+    messages, parsed = protocol.parse_chat(body)
+    if service.tokenizer is None:
+        raise InvalidRequestError("messages", "this model has no tokenizer to render chats")
+    try:
+        prompt = render_chat_prompt(service.tokenizer, messages,
+                                    chat_template=service.config.chat_template)
+    except (jinja2.TemplateError, TypeError) as error:  # ChatTemplateError is a TemplateError
+        raise InvalidRequestError("messages", f"cannot render the chat: {error} (a server "
+                                              "can be given one with --chat-template)") from None
+    token_ids = service.encode_prompt(prompt["prompt_token_ids"], "messages")
+    try:
+        params = _params_for(service, parsed, [token_ids])
+    except InvalidRequestError as error:
+        if error.field == "max_tokens" and body.get("max_completion_tokens") is not None:
+            # Name the field the client actually sent (the newer spelling of max_tokens).
+            raise InvalidRequestError("max_completion_tokens",
+                                      f"max_completion_tokens: {error.message}") from None
+        raise
+    return await _Endpoint(service, parsed, [prompt], params).respond(request)
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models."""
+    service = request.app[_STATE].service
+    return web.json_response({"object": "list", "data": [{
+        "id": service.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
+        "max_model_len": service.max_model_len, "vocab_size": service.vocab_size}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: 200 once warmed up and serving, 503 otherwise."""
+    ready = request.app[_STATE].service.ready
+    return web.json_response({"status": "ok" if ready else "unavailable"},
+                             status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics (Prometheus text format)."""
+    body = request.app[_STATE].service.metrics.render()
+    return web.Response(body=body, headers={"content-type": CONTENT_TYPE})
+
+
+async def _stop_listening(app: web.Application) -> None:
+    """on_shutdown: close the listening sockets, answer 503 to new requests on old sockets."""
+    state = app[_STATE]
+    state.draining = True
+    if state.runner is not None:
+        for site in list(state.runner.sites):
+            await site.stop()  # the in-flight responses carry on; cleanup() waits for them
+
+
+def build_app(service: InferenceService) -> web.Application:
+    """The aiohttp application with every route.
+
+    Args:
+        service: The engine and its request policy.
+
+    Returns:
+        The application; `start_http_server` runs it.
+    """
+    app = web.Application(middlewares=[_errors_and_auth], client_max_size=16 * 1024 * 1024)
+    app[_STATE] = _State(service)
+    app.on_shutdown.append(_stop_listening)
+    app.add_routes([web.post("/v1/completions", completions),
+                    web.post("/v1/chat/completions", chat_completions),
+                    web.get("/v1/models", models), web.get("/health", health),
+                    web.get("/metrics", metrics)])
+    return app
+
+
+async def start_http_server(service: InferenceService, host: str, port: int
+                            ) -> tuple[web.AppRunner, int]:
+    """Binds the HTTP front end; returns the runner (for shutdown) and the bound port.
+
+    Args:
+        service: The engine and its request policy (the engine already started).
+        host: Interface to bind.
+        port: TCP port; 0 picks a free one.
+
+    `handler_cancellation=True` makes a client disconnect cancel the handler (aiohttp's
+    default lets it run to completion), which is what aborts the engine request.
+    """
+    app = build_app(service)
+    runner = web.AppRunner(app, handler_cancellation=True,
+                           shutdown_timeout=_SHUTDOWN_TIMEOUT, access_log=None)
+    app[_STATE].runner = runner
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[0][1]  # port 0 picked a free one

@@ -1,0 +1,228 @@
+"""OpenAI request parsing and response building for `/v1/completions` and `/v1/chat/completions`.
+
+Pure functions over JSON-ready dicts and jaxinfer outputs, no I/O, so every field mapping is
+testable without a server. Request fields take OpenAI's names, plus the extensions vLLM users
+send (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`). A field of the wrong type or out of
+range raises `InvalidRequestError` naming it; fields OpenAI has and we do not serve (`echo`,
+`best_of` > n, `suffix`, tools) are refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxinfer.engine.outputs import CompletionOutput
+from jaxinfer.engine.sampling_params import MAX_LOGPROBS
+from serve.service import InvalidRequestError
+
+# OpenAI name -> SamplingParams name, for fields that pass straight through.
+_DIRECT_FIELDS = {
+    "n": "n", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "skip_special_tokens": "skip_special_tokens",
+}
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    """A checked request: prompts (text or ids), sampling fields, stream options."""
+
+    prompts: list[str | list[int]]
+    fields: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(token, int) and not isinstance(token, bool) for token in value)
+
+
+def _refuse_unsupported(body: Mapping[str, Any], names: Sequence[str]) -> None:
+    for name in names:
+        if body.get(name) not in (None, False, [], ""):
+            raise InvalidRequestError(name, f"{name} is not supported by this server")
+
+
+def _common_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    fields = {ours: body.get(theirs) for theirs, ours in _DIRECT_FIELDS.items()}
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
+            raise InvalidRequestError("stop", "stop must be a string or a list of strings")
+        if not all(stop):
+            raise InvalidRequestError("stop", "stop strings must not be empty")
+        fields["stop"] = stop
+    if fields["logit_bias"] is not None and not isinstance(fields["logit_bias"], dict):
+        raise InvalidRequestError("logit_bias", "logit_bias must be an object of token id "
+                                                "to bias")
+    return fields
+
+
+def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequestError("stream", "stream must be a boolean")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequestError("stream_options", "stream_options must be an object")
+    return stream, bool(options.get("include_usage", False))
+
+
+def parse_completion(body: Mapping[str, Any]) -> ParsedRequest:
+    """Checks a `/v1/completions` body.
+
+    Raises:
+        InvalidRequestError: A missing or malformed field (named).
+    """
+    _refuse_unsupported(body, ("echo", "suffix"))
+    if body.get("best_of") not in (None, body.get("n", 1)):
+        raise InvalidRequestError("best_of", "best_of other than n is not supported")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(item, str) or _is_token_ids(item) for item in prompt):
+        prompts = list(prompt)
+    elif prompt == [] or prompt == "":
+        raise InvalidRequestError("prompt", "prompt must not be empty")
+    else:
+        raise InvalidRequestError("prompt", "prompt must be a string, a list of token ids, or "
+                                            "a list of either")
+    fields = _common_fields(body)
+    fields["max_tokens"] = body.get("max_tokens")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)):
+        raise InvalidRequestError("logprobs", "logprobs must be an integer (the top-n count)")
+    fields["logprobs"] = logprobs
+    stream, include_usage = _stream_options(body)
+    return ParsedRequest(prompts, fields, stream, include_usage, chat=False)
+
+
+def parse_chat(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], ParsedRequest]:
+    """Checks a `/v1/chat/completions` body; returns the messages and the request.
+
+    Raises:
+        InvalidRequestError: A missing or malformed field (named).
+    """
+    _refuse_unsupported(body, ("tools", "functions", "audio"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "messages must be a non-empty list")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError("messages", f"messages[{index}] needs a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text parts are served
+            if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+                raise InvalidRequestError("messages", f"messages[{index}]: only text content "
+                                                      "parts are supported")
+            message["content"] = "".join(str(part.get("text", "")) for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise InvalidRequestError("messages", f"messages[{index}].content must be a "
+                                                  "string or a list of text parts")
+    fields = _common_fields(body)
+    fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
+    logprobs, top = body.get("logprobs", False), body.get("top_logprobs")
+    if not isinstance(logprobs, bool | type(None)):
+        raise InvalidRequestError("logprobs", "logprobs must be a boolean")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                            or not 0 <= top <= MAX_LOGPROBS):
+        raise InvalidRequestError("top_logprobs", f"top_logprobs must be an integer in "
+                                                  f"[0, {MAX_LOGPROBS}]")
+    if top and not logprobs:
+        raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
+    fields["logprobs"] = (top or 0) if logprobs else None
+    stream, include_usage = _stream_options(body)
+    return messages, ParsedRequest([], fields, stream, include_usage, chat=True)
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(
+        token_id)
+
+
+def completion_logprobs(tokenizer: Any, token_ids: Sequence[int],
+                        logprobs: Sequence[Mapping[int, float]], text_offset: int,
+                        top: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object for `token_ids` (one dict per token)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
+        text = _token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.get(token_id))
+        ranked = sorted(entry.items(), key=lambda item: -item[1])[:top]
+        top_logprobs.append({_token_text(tokenizer, other): value for other, value in ranked})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Any, token_ids: Sequence[int],
+                  logprobs: Sequence[Mapping[int, float]], top: int) -> dict[str, Any]:
+    """The chat `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+    content = []
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
+        text = _token_text(tokenizer, token_id)
+        ranked = sorted(entry.items(), key=lambda item: -item[1])[:top]
+        content.append({
+            "token": text, "logprob": entry.get(token_id), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": _token_text(tokenizer, other), "logprob": value,
+                              "bytes": list(_token_text(tokenizer, other).encode())}
+                             for other, value in ranked]})
+    return {"content": content}
+
+
+@dataclasses.dataclass
+class ChoiceTracker:
+    """What one choice (a prompt's sample) has already sent, to stream only what is new."""
+
+    sent_text: int = 0
+    sent_tokens: int = 0
+    finished: bool = False
+
+    def delta(self, sample: CompletionOutput) -> tuple[str, list[int], int]:
+        """(new text, new token ids, index of the first new token) since the last call."""
+        text = sample.text[self.sent_text:]
+        start = self.sent_tokens
+        tokens = list(sample.token_ids[start:])
+        self.sent_text, self.sent_tokens = len(sample.text), len(sample.token_ids)
+        return text, tokens, start
+
+
+def envelope(kind: str, request_id: str, model: str, choices: list[dict[str, Any]],
+             usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """A response or chunk object: id, object, created, model, choices (and usage)."""
+    body: dict[str, Any] = {"id": request_id, "object": kind, "created": int(time.time()),
+                            "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The `usage` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -1,0 +1,65 @@
+"""`jaxinfer serve` as a user runs it (a subprocess on loopback ports) and `jaxinfer bench serve`
+against it: ready only after warm-up, both benchmark backends complete every request, and
+SIGTERM with a request in flight exits 0 within the grace period."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from jaxinfer.cli import main as jaxinfer_main
+from serve.launcher import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = ServerProcess("builtin:demo", "--max-num-seqs", "4", "--max-num-batched-tokens",
+                           "64", "--max-model-len", "128", "--no-prompt-logprobs",
+                           "--grace-period", "3", ready_timeout_s=600, capture_output=True)
+    with server:
+        yield server
+
+
+@pytest.mark.parametrize("backend", ["openai", "grpc"])
+def test_bench_serve_completes_every_request(served, backend, tmp_path):
+    port = served.http_port if backend == "openai" else served.grpc_port
+    report = tmp_path / "serve.json"
+    code = jaxinfer_main(["bench", "serve", "--backend", backend, "--port", str(port),
+                          "--num-prompts", "6", "--random-input-len", "12",
+                          "--random-output-len", "5", "--request-rate", "20", "inf",
+                          "--max-concurrency", "4", "--output-json", str(report)])
+    assert code == 0
+    runs = json.loads(report.read_text())["runs"]
+    assert [run["request_rate"] for run in runs] == [20.0, float("inf")]
+    for run in runs:
+        assert run["completed"] == 6 and run["failed"] == 0
+        assert run["prompt_tokens"] == 6 * 12 and run["output_tokens"] == 6 * 5
+        assert 0 < run["ttft_ms"]["p50"] <= run["e2el_ms"]["p50"]
+
+
+def test_sigterm_stops_within_the_grace_period(served):
+    http_port = served.http_port
+    body = json.dumps({"model": "builtin:demo", "prompt": "The list type", "max_tokens": 100,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body,
+                                     {"content-type": "application/json"})
+    received: list[bytes] = []
+
+    def stream() -> None:
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                received.extend(response)
+        except OSError:
+            received.append(b"<connection closed>")
+
+    client = threading.Thread(target=stream)
+    client.start()
+    time.sleep(1.0)  # the request is admitted and streaming
+    assert served.stop(timeout_s=60) == 0  # SIGTERM
+    client.join(timeout=30)
+    assert received  # the in-flight request got an answer (finished, or ended by the stop)
+    assert "stopping" in served.output
