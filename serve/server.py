@@ -54,11 +54,9 @@ class Server:
         self.http_port: int | None = None
         self._grpc_server: Any = None
         self._http_runner: Any = None
-        self._stopped: asyncio.Event | None = None  # created on the serving loop
 
     async def start(self) -> None:
         """Warms the engine up (in a worker thread), then binds the front ends."""
-        self._stopped = asyncio.Event()
         if not self.service.engine.is_running:
             await asyncio.to_thread(self.service.engine.start)
         if self.address.grpc_port is not None:
@@ -93,8 +91,6 @@ class Server:
         if self._http_runner is not None:
             await self._http_runner.cleanup()
         await asyncio.to_thread(self.service.engine.shutdown)  # aborts what is left
-        if self._stopped is not None:
-            self._stopped.set()
 
     async def run(self) -> int:
         """Serves until SIGTERM or SIGINT, then stops gracefully; returns the exit code 0."""
