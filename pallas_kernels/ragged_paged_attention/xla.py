@@ -13,8 +13,9 @@ attention merges blocks:
    Decode tokens see only themselves here.
 2. **Earlier keys** (the context before the step, which every token of a sequence sees):
    - for decode sequences (one new token), one query row per sequence walks its pages one at a
-     time with an online softmax (`[S, page_size, 2K, H]` per iteration), up to the longest
-     context in the step (a dynamic trip count, so short sequences cost what they are);
+     time with an online softmax; sequences are sorted by length and walked in groups of
+     `DECODE_SEQUENCE_GROUP`, each up to its own longest context (a dynamic trip count, so
+     short sequences cost about what they are);
    - for the few sequences that bring several tokens *and* have a context (later chunks of a
      chunked prefill, prefix-cache hits, recomputation after preemption), a loop over just
      those sequences walks their pages against the packed tokens.
@@ -117,6 +118,72 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
     return tuple(jnp.concatenate(parts) for parts in zip(*per_block, strict=True))
 
 
+# Decode sequences per page walk: the walk of a group runs to its longest member's context,
+# so sorting by length and walking groups of 16 reads ~the real keys instead of S x the
+# longest (64 sequences of 64-384 tokens: 8.8 -> 7.2 ms per layer on 2 CPU cores; smaller
+# groups pay more loop overhead than they save).
+DECODE_SEQUENCE_GROUP = 16
+
+
+def _decode_context_stats(kv_pages: jax.Array, page_indices: jax.Array,
+                          decode_queries: jax.Array, decode_context: jax.Array,
+                          decode_position: jax.Array, window: int | jax.Array,
+                          windowed: bool) -> Stats:
+    """Earlier keys of the decode sequences: groups of similar length walk their pages.
+
+    Args:
+        kv_pages: `[P, page_size, 2K, H]` the pool.
+        page_indices: `[S, pages_per_seq]` page tables.
+        decode_queries: `[S, K, G, H]` each sequence's one (scaled) query.
+        decode_context: `[S]` keys before this step (0 for non-decode sequences).
+        decode_position: `[S]` the query's position.
+        window: Keys visible per query.
+        windowed: Whether a sliding window applies (then walks start at the window).
+
+    Returns:
+        Per-sequence softmax statistics `[S, K, G(, H)]`.
+    """
+    max_seqs = page_indices.shape[0]
+    page_size = kv_pages.shape[1]
+    _, num_kv_heads, group, head_dim = decode_queries.shape
+    group_size = min(DECODE_SEQUENCE_GROUP, max_seqs)
+    num_groups = -(-max_seqs // group_size)
+    order = jnp.argsort(-decode_context, stable=True).astype(jnp.int32)  # [S] longest first
+    # Pad the last group with a repeat of the shortest sequence (its rows are dropped below).
+    order = jnp.concatenate([order, jnp.full((num_groups * group_size - max_seqs,), order[-1],
+                                             jnp.int32)])  # [groups * Gs]
+    per_group = []
+    for group_index in range(num_groups):
+        rows = order[group_index * group_size:(group_index + 1) * group_size]  # [Gs]
+        context = decode_context[rows]  # [Gs]
+        queries = decode_queries[rows]  # [Gs, K, G, H]
+        position = decode_position[rows]  # [Gs]
+        table = page_indices[rows]  # [Gs, pages_per_seq]
+
+        def decode_page(page: jax.Array, carry: Stats, context: jax.Array = context,
+                        queries: jax.Array = queries, position: jax.Array = position,
+                        table: jax.Array = table) -> Stats:
+            block = kv_pages[table[:, page]].astype(jnp.float32)  # [Gs, ps, 2K, H]
+            page_scores = jnp.einsum("skgh,slkh->skgl", queries,
+                                     block[:, :, 0::2])  # [Gs, K, G, ps]
+            key_position = page * page_size + jnp.arange(page_size)  # [ps]
+            page_visible = ((key_position[None, :] < context[:, None])
+                            & (position[:, None] - key_position[None, :] < window))
+            page_scores = jnp.where(page_visible[:, None, None, :], page_scores, -jnp.inf)
+            return _merge(carry, _block_stats(page_scores, block[:, :, 1::2],
+                                              "skgl,slkh->skgh"))
+
+        first_page = 0 if not windowed else jnp.maximum(
+            jnp.min(jnp.where(context > 0, position - window + 1, jnp.iinfo(jnp.int32).max)),
+            0) // page_size
+        per_group.append(jax.lax.fori_loop(
+            first_page, -(-jnp.max(context) // page_size), decode_page,
+            _empty_stats(group_size, num_kv_heads, group, head_dim)))
+    inverse = jnp.argsort(order[:max_seqs]).astype(jnp.int32)  # [S] back to batch order
+    return tuple(jnp.concatenate(parts)[:max_seqs][inverse]
+                 for parts in zip(*per_group, strict=True))
+
+
 def ragged_paged_attention_xla(
     queries: jax.Array,
     kv_pages: jax.Array,
@@ -184,23 +251,9 @@ def ragged_paged_attention_xla(
     decode_queries = grouped[last_token]  # [S, K, G, H]
     decode_position = kv_lens - 1  # [S]
 
-    def decode_page(page: jax.Array, carry: Stats) -> Stats:
-        block = kv_pages[page_indices[:, page]].astype(jnp.float32)  # [S, ps, 2K, H]
-        page_scores = jnp.einsum("skgh,slkh->skgl", decode_queries,
-                                 block[:, :, 0::2])  # [S, K, G, ps]
-        key_position = page * page_size + jnp.arange(page_size)  # [ps]
-        page_visible = ((key_position[None, :] < decode_context[:, None])
-                        & (decode_position[:, None] - key_position[None, :] < window))
-        page_scores = jnp.where(page_visible[:, None, None, :], page_scores, -jnp.inf)
-        return _merge(carry, _block_stats(page_scores, block[:, :, 1::2], "skgl,slkh->skgh"))
-
-    first_page = 0 if sliding_window is None else jnp.maximum(
-        jnp.min(jnp.where(decode, decode_position - window + 1, jnp.iinfo(jnp.int32).max)),
-        0) // page_size
-    last_page = -(-jnp.max(decode_context) // page_size)
-    decode_stats = jax.lax.fori_loop(
-        first_page, last_page, decode_page,
-        _empty_stats(max_seqs, num_kv_heads, group, head_dim))
+    decode_stats = _decode_context_stats(kv_pages, page_indices, decode_queries,
+                                         decode_context, decode_position, window,
+                                         sliding_window is not None)
     # Token t takes its sequence's row only if it is that decode sequence's one token.
     takes_row = decode[sequence] & real  # [T]
     row_stats = jax.tree.map(lambda value: value[sequence], decode_stats)

@@ -165,3 +165,21 @@ def test_xla_path_tiles_long_steps_like_the_reference(query_lens):
         got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
                                      implementation="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
+
+
+@pytest.mark.parametrize("num_decodes", [17, 40])
+def test_xla_path_walks_decode_groups_of_mixed_lengths_like_the_reference(num_decodes):
+    # More decode sequences than one DECODE_SEQUENCE_GROUP (and a ragged last group), with
+    # shuffled lengths, mixed with a prefill and a continued chunk.
+    rng = np.random.default_rng(num_decodes)
+    query_lens = [1] * num_decodes + [9, 5]
+    context_lens = [int(n) for n in rng.integers(0, 70, size=num_decodes)] + [0, 33]
+    longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
+    inputs, _ = _case(rng, query_lens, context_lens, page_size=4,
+                      pages_per_seq=-(-longest // 4), padded_tokens=3, padded_seqs=2)
+    for window in (None, 20):
+        expected = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                          implementation="reference")
+        got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                     implementation="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
