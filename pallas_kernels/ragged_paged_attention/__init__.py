@@ -1,27 +1,32 @@
 """Ragged paged attention (mixed prefill + decode over a paged KV cache): the public op.
 
-The page layout and the ragged-batch description are documented in `reference.py`. Two
-implementations exist so far: `xla` (the default: streams over pages with merged softmax
-statistics, no per-token gathers; `xla.py`) and `reference` (readable, gathers every token's
-whole page table). The Pallas kernels (TPU, GPU) slot in behind `ragged_paged_attention`
-without changing its callers.
+The page layout and the ragged-batch description are documented in `reference.py`.
+Implementations (chosen by `implementation=`, see `pallas_kernels.dispatch`):
+
+- "pallas" / "interpret": the Pallas TPU kernel (`kernel.py`; pages copied HBM -> VMEM
+  asynchronously, double-buffered, online softmax in f32), compiled on TPU or interpreted;
+- "xla": streams over pages with merged softmax statistics, no per-token gathers (`xla.py`),
+  the default off-TPU;
+- "reference": readable, gathers every token's whole page table (`reference.py`), the oracle.
+
+"auto" (the default) is the kernel on TPU and "xla" elsewhere, unless forced.
 """
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels import dispatch
+from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
     write_to_pages,
 )
+from pallas_kernels.ragged_paged_attention.tuning import block_sizes
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference",
-           "ragged_paged_attention_xla", "write_to_pages"]
-
-IMPLEMENTATIONS = {"xla": ragged_paged_attention_xla,
-                   "reference": ragged_paged_attention_reference}
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_kernel",
+           "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_to_pages"]
 
 
 def ragged_paged_attention(
@@ -34,18 +39,27 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-    implementation: str = "xla",
+    soft_cap: float | None = None,
+    implementation: str = "auto",
 ) -> jax.Array:
     """`[T, N, H]` attention of packed query tokens to their sequences' paged keys.
 
-    See `reference.ragged_paged_attention_reference` for the arguments.
+    See `reference.ragged_paged_attention_reference` for the arguments; `soft_cap` caps the
+    logits as `cap * tanh(s / cap)`.
 
     Raises:
         ValueError: An unknown implementation.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown ragged paged attention implementation {implementation!r}; "
-                         f"known: {sorted(IMPLEMENTATIONS)}")
-    return IMPLEMENTATIONS[implementation](queries, kv_pages, kv_lens, page_indices, cu_q_lens,
-                                           num_seqs, sm_scale=sm_scale,
-                                           sliding_window=sliding_window)
+    choice = dispatch.resolve(implementation)
+    arguments = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if choice in ("pallas", "interpret"):
+        block_tokens, pages_per_block = block_sizes(queries.shape[0], kv_pages.shape[1],
+                                                    queries.shape[2])
+        return ragged_paged_attention_kernel(
+            *arguments, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            block_tokens=block_tokens, pages_per_block=pages_per_block,
+            interpret=dispatch.interpret_mode(choice))
+    implementations = {"xla": ragged_paged_attention_xla,
+                       "reference": ragged_paged_attention_reference}
+    return implementations[choice](*arguments, sm_scale=sm_scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)

@@ -74,6 +74,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
@@ -86,6 +87,7 @@ def ragged_paged_attention_reference(
         num_seqs: `[1]` int32 number of real sequences.
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
+        soft_cap: Logit soft-cap (Gemma-2 style `cap * tanh(s / cap)`), or None.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -113,6 +115,8 @@ def ragged_paged_attention_reference(
     grouped = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group,
                                                   head_dim)  # [T, K, G, H]
     scores = jnp.einsum("tkgh,tskh->tkgs", grouped, keys) * sm_scale  # [T, K, G, L]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     key_position = jnp.arange(max_len, dtype=jnp.int32)  # [L]
     distance = position[:, None] - key_position[None, :]  # [T, L]
     visible = (distance >= 0) & (key_position[None, :] < kv_lens[sequence][:, None])  # [T, L]

@@ -61,6 +61,11 @@ def _merge(a: Stats, b: Stats) -> Stats:
             weighted_a * scale_a[..., None] + weighted_b * scale_b[..., None])
 
 
+def _soft_capped(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+    """`cap * tanh(scores / cap)` (before masking), or the scores unchanged."""
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
 # Query tokens per tile of the blocked step attention (used when T is a multiple >= 2x).
 QUERY_BLOCK = 128
 
@@ -76,7 +81,8 @@ def _step_visible(query_sequence: jax.Array, query_position: jax.Array, query_re
 
 def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Array,
                             sequence: jax.Array, position: jax.Array, real: jax.Array,
-                            cu_q_lens: jax.Array, window: int | jax.Array) -> Stats:
+                            cu_q_lens: jax.Array, window: int | jax.Array,
+                            soft_cap: float | None = None) -> Stats:
     """This step's keys, tile by tile: each query tile walks only the key tiles from its
     first sequence's start to itself, so a batch of short prompts costs what its sequences
     are, not T^2 (a dense [T, K, G, T] block over 1024 packed tokens was 70% of a prefill).
@@ -86,6 +92,7 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
         sequence, position, real: `[T]` each token's sequence, position and realness.
         cu_q_lens: `[S + 1]` query offsets.
         window: Keys visible per query.
+        soft_cap: Logit soft-cap, or None.
 
     Returns:
         The softmax statistics of every token over this step's keys.
@@ -103,7 +110,8 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
             start = key_block * block
             tile_keys = jax.lax.dynamic_slice_in_dim(keys, start, block)  # [B, K, H]
             tile_values = jax.lax.dynamic_slice_in_dim(values, start, block)  # [B, K, H]
-            scores = jnp.einsum("tkgh,ukh->tkgu", queries, tile_keys)  # [B, K, G, B]
+            scores = _soft_capped(jnp.einsum("tkgh,ukh->tkgu", queries, tile_keys),
+                                  soft_cap)  # [B, K, G, B]
             visible = _step_visible(
                 sequence[rows], position[rows], real[rows],
                 jax.lax.dynamic_slice_in_dim(sequence, start, block),
@@ -128,7 +136,7 @@ DECODE_SEQUENCE_GROUP = 16
 def _decode_context_stats(kv_pages: jax.Array, page_indices: jax.Array,
                           decode_queries: jax.Array, decode_context: jax.Array,
                           decode_position: jax.Array, window: int | jax.Array,
-                          windowed: bool) -> Stats:
+                          windowed: bool, soft_cap: float | None = None) -> Stats:
     """Earlier keys of the decode sequences: groups of similar length walk their pages.
 
     Args:
@@ -139,6 +147,7 @@ def _decode_context_stats(kv_pages: jax.Array, page_indices: jax.Array,
         decode_position: `[S]` the query's position.
         window: Keys visible per query.
         windowed: Whether a sliding window applies (then walks start at the window).
+        soft_cap: Logit soft-cap, or None.
 
     Returns:
         Per-sequence softmax statistics `[S, K, G(, H)]`.
@@ -164,8 +173,8 @@ def _decode_context_stats(kv_pages: jax.Array, page_indices: jax.Array,
                         queries: jax.Array = queries, position: jax.Array = position,
                         table: jax.Array = table) -> Stats:
             block = kv_pages[table[:, page]].astype(jnp.float32)  # [Gs, ps, 2K, H]
-            page_scores = jnp.einsum("skgh,slkh->skgl", queries,
-                                     block[:, :, 0::2])  # [Gs, K, G, ps]
+            page_scores = _soft_capped(jnp.einsum("skgh,slkh->skgl", queries,
+                                                  block[:, :, 0::2]), soft_cap)  # [Gs,K,G,ps]
             key_position = page * page_size + jnp.arange(page_size)  # [ps]
             page_visible = ((key_position[None, :] < context[:, None])
                             & (position[:, None] - key_position[None, :] < window))
@@ -194,6 +203,7 @@ def ragged_paged_attention_xla(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
@@ -207,6 +217,7 @@ def ragged_paged_attention_xla(
         num_seqs: `[1]` int32 number of real sequences.
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
+        soft_cap: Logit soft-cap (`cap * tanh(s / cap)`), or None.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -237,9 +248,10 @@ def ragged_paged_attention_xla(
     new_keys, new_values = new_kv[:, 0::2], new_kv[:, 1::2]  # [T, K, H] each
     if num_tokens >= 2 * QUERY_BLOCK and num_tokens % QUERY_BLOCK == 0:
         stats = _blocked_step_attention(grouped, new_keys, new_values, sequence, position, real,
-                                        cu_q_lens, window)
+                                        cu_q_lens, window, soft_cap)
     else:
-        scores = jnp.einsum("tkgh,ukh->tkgu", grouped, new_keys)  # [T, K, G, T]
+        scores = _soft_capped(jnp.einsum("tkgh,ukh->tkgu", grouped, new_keys),
+                              soft_cap)  # [T, K, G, T]
         visible = _step_visible(sequence, position, real, sequence, position, real, window)
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         stats = _block_stats(scores, new_values, "tkgu,ukh->tkgh")
@@ -253,7 +265,7 @@ def ragged_paged_attention_xla(
 
     decode_stats = _decode_context_stats(kv_pages, page_indices, decode_queries,
                                          decode_context, decode_position, window,
-                                         sliding_window is not None)
+                                         sliding_window is not None, soft_cap)
     # Token t takes its sequence's row only if it is that decode sequence's one token.
     takes_row = decode[sequence] & real  # [T]
     row_stats = jax.tree.map(lambda value: value[sequence], decode_stats)
@@ -271,7 +283,8 @@ def ragged_paged_attention_xla(
 
         def context_page(page: jax.Array, inner: Stats) -> Stats:
             block = kv_pages[page_indices[chosen, page]].astype(jnp.float32)  # [ps, 2K, H]
-            page_scores = jnp.einsum("tkgh,lkh->tkgl", grouped, block[:, 0::2])  # [T,K,G,ps]
+            page_scores = _soft_capped(jnp.einsum("tkgh,lkh->tkgl", grouped, block[:, 0::2]),
+                                       soft_cap)  # [T, K, G, ps]
             key_position = page * page_size + jnp.arange(page_size)  # [ps]
             page_visible = (mine[:, None] & (key_position[None, :] < context_lens[chosen])
                             & (position[:, None] - key_position[None, :] < window))

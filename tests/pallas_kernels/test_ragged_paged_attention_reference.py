@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_to_pages
+from tests.pallas_kernels.paged_cases import paged_case
 
 
 def _loop_attention(queries, keys, values, positions, sliding_window):
@@ -32,38 +33,6 @@ def _loop_attention(queries, keys, values, positions, sliding_window):
     return out
 
 
-def _case(rng, query_lens, context_lens, page_size, pages_per_seq, num_kv_heads=2, group=2,
-          head_dim=8, padded_tokens=0, padded_seqs=0):
-    """Random sequences written into shuffled pages; returns the op's inputs and per-seq data."""
-    num_heads = num_kv_heads * group
-    num_pages = 1 + len(query_lens) * pages_per_seq
-    free_pages = list(rng.permutation(np.arange(1, num_pages)))  # page 0 stays a null page
-    kv_pages = jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.float32)
-    page_table = np.zeros((len(query_lens) + padded_seqs, pages_per_seq), np.int32)
-    sequences, queries = [], []
-    for s, (q_len, context) in enumerate(zip(query_lens, context_lens, strict=True)):
-        kv_len = context + q_len
-        pages = [free_pages.pop() for _ in range(-(-kv_len // page_size))]
-        page_table[s, :len(pages)] = pages
-        keys = rng.normal(size=(kv_len, num_kv_heads, head_dim)).astype(np.float32)
-        values = rng.normal(size=(kv_len, num_kv_heads, head_dim)).astype(np.float32)
-        slots = np.asarray([pages[j // page_size] * page_size + j % page_size
-                            for j in range(kv_len)], np.int32)
-        kv_pages = write_to_pages(kv_pages, jnp.asarray(keys), jnp.asarray(values),
-                                  jnp.asarray(slots))
-        q = rng.normal(size=(q_len, num_heads, head_dim)).astype(np.float32)
-        queries.append(q)
-        sequences.append((keys, values, q, np.arange(context, kv_len)))
-    all_queries = np.concatenate(queries + [np.zeros((padded_tokens, num_heads, head_dim),
-                                                     np.float32)])
-    cu = np.concatenate([[0], np.cumsum(query_lens)] + [[sum(query_lens)]] * padded_seqs)
-    kv_lens = np.asarray([c + q for q, c in zip(query_lens, context_lens, strict=True)]
-                         + [0] * padded_seqs, np.int32)
-    inputs = (jnp.asarray(all_queries), kv_pages, jnp.asarray(kv_lens), jnp.asarray(page_table),
-              jnp.asarray(cu, jnp.int32), jnp.asarray([len(query_lens)], jnp.int32))
-    return inputs, sequences
-
-
 @pytest.mark.parametrize("implementation", ["reference", "xla"])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("page_size", [4, 16])
@@ -71,7 +40,7 @@ def test_mixed_prefill_and_decode_match_the_loop(page_size, sliding_window, impl
     rng = np.random.default_rng(page_size)
     # A fresh prefill, a chunk continuing a prefill, two decodes, one 1-token prompt.
     query_lens, context_lens = [9, 6, 1, 1, 1], [0, 7, 20, 3, 0]
-    inputs, sequences = _case(rng, query_lens, context_lens, page_size,
+    inputs, sequences = paged_case(rng, query_lens, context_lens, page_size,
                               pages_per_seq=-(-27 // page_size), padded_tokens=5,
                               padded_seqs=2)
     out = np.asarray(ragged_paged_attention(*inputs, sm_scale=8 ** -0.5,
@@ -121,8 +90,8 @@ def test_write_to_pages_updates_a_donated_pool_in_place(num_tokens):
 
 def test_unknown_implementation_is_named():
     rng = np.random.default_rng(0)
-    inputs, _ = _case(rng, [2], [0], page_size=4, pages_per_seq=1)
-    with pytest.raises(ValueError, match="unknown ragged paged attention implementation"):
+    inputs, _ = paged_case(rng, [2], [0], page_size=4, pages_per_seq=1)
+    with pytest.raises(ValueError, match="unknown kernel implementation"):
         ragged_paged_attention(*inputs, sm_scale=1.0, implementation="magic")
 
 
@@ -138,7 +107,7 @@ def test_xla_path_equals_the_reference_on_random_ragged_batches(seed):
         query_lens.append(1 if kind == 0 else int(rng.integers(2, 20)))
         context_lens.append(context)
     longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
-    inputs, _ = _case(rng, query_lens, context_lens, page_size,
+    inputs, _ = paged_case(rng, query_lens, context_lens, page_size,
                       pages_per_seq=-(-longest // page_size) + 1,
                       num_kv_heads=int(rng.choice([1, 2])), group=int(rng.choice([1, 3])),
                       padded_tokens=int(rng.integers(0, 4)), padded_seqs=int(rng.integers(0, 3)))
@@ -156,7 +125,7 @@ def test_xla_path_tiles_long_steps_like_the_reference(query_lens):
     rng = np.random.default_rng(sum(query_lens))
     context_lens = [int(rng.integers(0, 40)) for _ in query_lens]
     longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
-    inputs, _ = _case(rng, query_lens, context_lens, page_size=16,
+    inputs, _ = paged_case(rng, query_lens, context_lens, page_size=16,
                       pages_per_seq=-(-longest // 16), padded_tokens=512 - sum(query_lens),
                       padded_seqs=1)
     for window in (None, 100):
@@ -175,7 +144,7 @@ def test_xla_path_walks_decode_groups_of_mixed_lengths_like_the_reference(num_de
     query_lens = [1] * num_decodes + [9, 5]
     context_lens = [int(n) for n in rng.integers(0, 70, size=num_decodes)] + [0, 33]
     longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
-    inputs, _ = _case(rng, query_lens, context_lens, page_size=4,
+    inputs, _ = paged_case(rng, query_lens, context_lens, page_size=4,
                       pages_per_seq=-(-longest // 4), padded_tokens=3, padded_seqs=2)
     for window in (None, 20):
         expected = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,

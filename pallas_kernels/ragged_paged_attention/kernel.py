@@ -1,0 +1,236 @@
+"""Ragged paged attention as a Pallas TPU kernel (runs on CPU in TPU interpret mode).
+
+One kernel serves a whole engine step: decodes, whole prefills and prefill chunks whose keys
+reach back past their queries, packed back to back (`reference.py` documents the page layout
+and the ragged batch description, which this kernel shares).
+
+Work split. The wrapper regroups the queries per KV head, `[T, N, H]` -> `[K, T * G, H]`
+(row `t * G + g` is query head `k * G + g` of token t), so one program owns one KV head and a
+tile of `block_tokens` packed tokens, and every matmul is a plain 2-D `[rows, H] x [H, L]`.
+The grid is `(K, T / block_tokens)`; both axes are independent ("parallel").
+
+Inside a program. Page tables, lengths and query offsets are scalar-prefetched into SMEM.
+For every sequence whose tokens intersect the tile, the kernel walks that sequence's pages in
+blocks of `pages_per_block`, copying each block's pages (this KV head's key and value rows
+only, `[page_size, 2, H]` per page) from HBM into VMEM with asynchronous copies,
+double-buffered: block j + 1's copies are in flight while block j is computed. Scores are
+masked causally by position, to the sequence's own rows, and to the optional sliding window,
+optionally soft-capped (`cap * tanh(s / cap)`), and folded into an online softmax (running
+max, denominator, weighted sum in f32 VMEM scratch). Rows of padding tokens stay zero.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_MASKED = -1e30  # finite: a row that sees nothing keeps exp(...) == 0 instead of NaN
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref,
+    # inputs
+    queries_ref,  # [1, R, H] this KV head's query rows of the tile (R = block_tokens * G)
+    kv_pages_hbm,  # [P, page_size, 2K, H] the whole pool, left in HBM
+    # outputs
+    out_ref,  # [1, R, H]
+    # scratch
+    buffer,  # [2, pages_per_block, page_size, 2, H] double-buffered key/value pages
+    semaphores,  # DMA semaphores [2, pages_per_block]
+    running_max,  # [R, 1] f32
+    denominator,  # [R, 1] f32
+    accumulator,  # [R, H] f32
+    *,
+    group: int,
+    block_tokens: int,
+    pages_per_block: int,
+    pages_per_seq: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    kv_head = pl.program_id(0)
+    tile = pl.program_id(1)
+    page_size = buffer.shape[2]
+    rows = block_tokens * group
+    block_keys = pages_per_block * page_size
+    tile_start = tile * block_tokens
+    tile_end = tile_start + block_tokens
+
+    running_max[...] = jnp.full(running_max.shape, _MASKED, jnp.float32)
+    denominator[...] = jnp.zeros(denominator.shape, jnp.float32)
+    accumulator[...] = jnp.zeros(accumulator.shape, jnp.float32)
+    queries = queries_ref[0].astype(jnp.float32) * sm_scale  # [R, H]
+    row_token = tile_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [R, 1]
+
+    def sequence_body(sequence, carry):
+        query_start = cu_q_lens_ref[sequence]
+        query_end = cu_q_lens_ref[sequence + 1]
+        kv_len = kv_lens_ref[sequence]
+
+        @pl.when((query_start < tile_end) & (query_end > tile_start) & (kv_len > 0))
+        def _attend():
+            # Keys this tile's tokens of the sequence can see: from the window's start of the
+            # tile's first token to the last token's position.
+            last_token = jnp.minimum(query_end, tile_end) - 1
+            first_token = jnp.maximum(query_start, tile_start)
+            last_position = kv_len - (query_end - last_token)
+            first_key = 0
+            if sliding_window is not None:
+                first_position = kv_len - (query_end - first_token)
+                first_key = jnp.maximum(first_position - sliding_window + 1, 0)
+            first_block = first_key // block_keys
+            end_block = last_position // block_keys + 1
+
+            def copies(block, slot):
+                result = []
+                for page in range(pages_per_block):
+                    entry = jnp.minimum(block * pages_per_block + page, pages_per_seq - 1)
+                    physical = page_indices_ref[sequence * pages_per_seq + entry]
+                    result.append(pltpu.make_async_copy(
+                        kv_pages_hbm.at[physical, :, pl.ds(2 * kv_head, 2), :],
+                        buffer.at[slot, page], semaphores.at[slot, page]))
+                return result
+
+            for copy in copies(first_block, first_block % 2):
+                copy.start()
+
+            def block_body(block, inner_carry):
+                slot = block % 2
+
+                @pl.when(block + 1 < end_block)
+                def _prefetch_next():
+                    for copy in copies(block + 1, (block + 1) % 2):
+                        copy.start()
+
+                for copy in copies(block, slot):
+                    copy.wait()
+                pages = buffer[slot]  # [pages_per_block, page_size, 2, H]
+                keys = pages[:, :, 0, :].reshape(block_keys, -1).astype(jnp.float32)  # [L, H]
+                values = pages[:, :, 1, :].reshape(block_keys, -1).astype(
+                    jnp.float32)  # [L, H]
+                scores = jax.lax.dot_general(
+                    queries, keys, (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32)  # [R, L]
+                if soft_cap is not None:
+                    scores = soft_cap * jnp.tanh(scores / soft_cap)
+                key_position = block * block_keys + jax.lax.broadcasted_iota(
+                    jnp.int32, (1, block_keys), 1)  # [1, L]
+                row_position = kv_len - (query_end - row_token)  # [R, 1]
+                visible = ((row_token >= query_start) & (row_token < query_end)
+                           & (key_position <= row_position) & (key_position < kv_len))
+                if sliding_window is not None:
+                    visible &= row_position - key_position < sliding_window
+                scores = jnp.where(visible, scores, _MASKED)  # [R, L]
+                previous_max = running_max[...]  # [R, 1]
+                new_max = jnp.maximum(previous_max, jnp.max(scores, axis=1, keepdims=True))
+                rescale = jnp.exp(previous_max - new_max)  # [R, 1]
+                probabilities = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [R, L]
+                denominator[...] = denominator[...] * rescale + jnp.sum(
+                    probabilities, axis=1, keepdims=True)
+                accumulator[...] = accumulator[...] * rescale + jax.lax.dot_general(
+                    probabilities, values, (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32)  # [R, H]
+                running_max[...] = new_max
+                return inner_carry
+
+            jax.lax.fori_loop(first_block, end_block, block_body, 0)
+
+        return carry
+
+    jax.lax.fori_loop(0, num_seqs_ref[0], sequence_body, 0)
+    total = denominator[...]  # [R, 1]
+    out_ref[0] = (accumulator[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+
+
+def ragged_paged_attention_kernel(
+    queries: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_tokens: int = 16,
+    pages_per_block: int = 4,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """Attention of packed query tokens to their sequences' paged keys, as one Pallas call.
+
+    Args:
+        queries: `[T, N, H]` packed query tokens of all sequences.
+        kv_pages: `[P, page_size, 2K, H]` the page pool, keys and values interleaved on the
+            head axis, with this step's keys already written.
+        kv_lens: `[S]` int32 key count of each sequence (this step's tokens included).
+        page_indices: `[S, pages_per_seq]` int32 page tables.
+        cu_q_lens: `[S + 1]` int32 query offsets.
+        num_seqs: `[1]` int32 number of real sequences.
+        sm_scale: Softmax scale.
+        sliding_window: Keys visible per query (itself included), or None for all.
+        soft_cap: Logit soft-cap (Gemma-2 style), or None.
+        block_tokens: Packed query tokens per program.
+        pages_per_block: Pages copied and computed together.
+        interpret: `pallas_call`'s interpret argument (False compiles for TPU).
+
+    Returns:
+        `[T, N, H]` in the queries' dtype; zeros for padding tokens.
+
+    Raises:
+        ValueError: Heads that do not group evenly over the KV heads.
+    """
+    num_tokens, num_heads, head_dim = queries.shape
+    _, page_size, combined_heads, _ = kv_pages.shape
+    num_kv_heads = combined_heads // 2
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    max_seqs, pages_per_seq = page_indices.shape
+    pages_per_block = min(pages_per_block, pages_per_seq)
+    num_tiles = -(-num_tokens // block_tokens)
+    padded_tokens = num_tiles * block_tokens
+    rows = block_tokens * group
+
+    regrouped = queries.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, H]
+    regrouped = jnp.pad(regrouped, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
+    regrouped = regrouped.transpose(1, 0, 2, 3).reshape(
+        num_kv_heads, padded_tokens * group, head_dim)  # [K, T' * G, H]
+
+    kernel = functools.partial(
+        _kernel, group=group, block_tokens=block_tokens, pages_per_block=pages_per_block,
+        pages_per_seq=pages_per_seq, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap)
+    row_block = pl.BlockSpec((1, rows, head_dim), lambda head, tile, *_: (head, tile, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(num_kv_heads, num_tiles),
+        in_specs=[row_block, pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM)],
+        out_specs=row_block,
+        scratch_shapes=[
+            pltpu.VMEM((2, pages_per_block, page_size, 2, head_dim), kv_pages.dtype),
+            pltpu.SemaphoreType.DMA((2, pages_per_block)),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, head_dim), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((num_kv_heads, padded_tokens * group, head_dim),
+                                       queries.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(kv_lens.astype(jnp.int32), page_indices.reshape(max_seqs * pages_per_seq).astype(
+        jnp.int32), cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), regrouped,
+      kv_pages)  # [K, T' * G, H]
+    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(
+        1, 0, 2, 3)  # [T', K, G, H]
+    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)  # [T, N, H]
