@@ -20,7 +20,7 @@ class MoEBlock(nnx.Module):
     """Softmax router, top-k experts with renormalized weights, SwiGLU experts."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs,
-                 implementation: str = "sorted") -> None:
+                 implementation: str = "auto") -> None:
         param_dtype = dtype_of(config.param_dtype)
         self.dtype = dtype_of(config.dtype)
         self.top_k = config.num_experts_per_token

@@ -1,19 +1,91 @@
-"""Mixture-of-experts routing and expert computation: the public op.
+"""Mixture-of-experts routing and expert computation: the public ops.
 
 `moe_ffn` routes tokens (Mixtral top-k) and runs the experts. Implementations:
-"sorted" (default everywhere for now) sorts assignments by expert and runs grouped matmuls
-with `jax.lax.ragged_dot`; "dense" runs every expert on every token (the test oracle).
+
+* "sorted" (the default) sorts assignments by expert and runs grouped matmuls with
+  `jax.lax.ragged_dot`; "dense" runs every expert on every token (the test oracle).
+* The kernel dispatch names of `pallas_kernels.dispatch` ("auto", "xla", "reference",
+  "pallas", "interpret"): "xla" and "reference" are "sorted"; "pallas" and "interpret" are the
+  sorted path with its grouped matmuls in the Pallas kernel (`kernel.grouped_matmul`).
+
+`grouped_matmul` is the grouped matmul itself as a public op, with the same dispatch names.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
-from pallas_kernels.moe.reference import moe_dense, moe_sorted, route_top_k, sort_by_expert
+from pallas_kernels import dispatch
+from pallas_kernels.moe import kernel as _kernel
+from pallas_kernels.moe.reference import (
+    grouped_matmul_int8_reference,
+    grouped_matmul_reference,
+    moe_dense,
+    moe_sorted,
+    permute,
+    route_top_k,
+    sort_by_expert,
+    unpermute,
+)
+from pallas_kernels.moe.tuning import default_blocks
 
-__all__ = ["moe_dense", "moe_ffn", "moe_sorted", "route_top_k", "sort_by_expert"]
+__all__ = [
+    "grouped_matmul",
+    "grouped_matmul_int8_reference",
+    "grouped_matmul_reference",
+    "moe_dense",
+    "moe_ffn",
+    "moe_sorted",
+    "permute",
+    "route_top_k",
+    "sort_by_expert",
+    "unpermute",
+]
 
-_IMPLEMENTATIONS = {"dense": moe_dense, "sorted": moe_sorted}
+_MOE_IMPLEMENTATIONS = ("dense", "sorted", *dispatch.CHOICES)
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    scales: jax.Array | None = None,
+    implementation: str = "auto",
+    block_m: int | None = None,
+    block_k: int | None = None,
+    block_n: int | None = None,
+) -> jax.Array:
+    """Grouped matmul: expert e multiplies its `group_sizes[e]` consecutive rows by `rhs[e]`.
+
+    Args:
+        lhs: `[M, K]` rows sorted by expert.
+        rhs: `[E, K, N]` float weights, or int8 weights when `scales` is given.
+        group_sizes: `[E]` int32 rows per expert (zeros allowed; rows past the sum are zero).
+        scales: `[E, N]` per-expert, per-output-channel scales of int8 `rhs`, or None.
+        implementation: A `pallas_kernels.dispatch.CHOICES` name.
+        block_m: Kernel row tile; None takes `tuning.default_blocks`.
+        block_k: Kernel contraction tile; None takes the default.
+        block_n: Kernel output-column tile; None takes the default.
+
+    Returns:
+        `[M, N]` in the dtype of `lhs`, accumulated in f32.
+    """
+    choice = dispatch.resolve(implementation)
+    if choice in ("xla", "reference"):
+        if scales is None:
+            return grouped_matmul_reference(lhs, rhs, group_sizes)  # [M, N]
+        return grouped_matmul_int8_reference(lhs, rhs, scales, group_sizes)  # [M, N]
+    default_m, default_k, default_n = default_blocks(lhs.dtype, scales is not None)
+    blocks = {"block_m": default_m if block_m is None else block_m,
+              "block_k": default_k if block_k is None else block_k,
+              "block_n": default_n if block_n is None else block_n,
+              "interpret": dispatch.interpret_mode(choice)}
+    if scales is None:
+        return _kernel.grouped_matmul(lhs, rhs, group_sizes, **blocks)  # [M, N]
+    return _kernel.grouped_matmul_int8(lhs, rhs, scales, group_sizes, **blocks)  # [M, N]
 
 
 def moe_ffn(
@@ -34,13 +106,25 @@ def moe_ffn(
         up: `[E, D, F]` expert up projections.
         down: `[E, F, D]` expert down projections.
         top_k: Experts per token.
-        implementation: "sorted" or "dense".
+        implementation: "sorted", "dense", or a `pallas_kernels.dispatch.CHOICES` name.
 
     Returns:
         `[M, D]` in the dtype of `x`.
+
+    Raises:
+        ValueError: An unknown implementation.
     """
-    if implementation not in _IMPLEMENTATIONS:
+    if implementation not in _MOE_IMPLEMENTATIONS:
         raise ValueError(f"unknown MoE implementation {implementation!r}; "
-                         f"known: {sorted(_IMPLEMENTATIONS)}")
+                         f"known: {sorted(_MOE_IMPLEMENTATIONS)}")
     weights, experts = route_top_k(router_logits, top_k)  # [M, k], [M, k]
-    return _IMPLEMENTATIONS[implementation](x, weights, experts, gate, up, down)
+    if implementation == "dense":
+        return moe_dense(x, weights, experts, gate, up, down)  # [M, D]
+    if implementation == "sorted":
+        return moe_sorted(x, weights, experts, gate, up, down)  # [M, D]
+    choice = dispatch.resolve(implementation)
+    if choice in ("xla", "reference"):
+        return moe_sorted(x, weights, experts, gate, up, down)  # [M, D]
+    kernel_matmul = functools.partial(grouped_matmul, implementation=choice)
+    return moe_sorted(x, weights, experts, gate, up, down,
+                      grouped_matmul=kernel_matmul)  # [M, D]

@@ -7,13 +7,19 @@ Two implementations of the same function:
   expensive; it is the oracle for the others.
 * `moe_sorted`: the token-expert assignments are sorted by expert, each expert's contiguous
   group of rows goes through `jax.lax.ragged_dot`, and the results are un-permuted and mixed.
-  This is the XLA path and the shape of the future Pallas grouped-matmul kernel.
+  This is the XLA path; the Pallas path is the same function with the grouped matmuls
+  swapped for `pallas_kernels.moe.kernel.grouped_matmul`.
+
+`grouped_matmul_reference` and `grouped_matmul_int8_reference` are the references for that
+kernel; `permute` and `unpermute` are the gather and the weighted scatter around it.
 
 Weights: `gate` and `up` `[E, D, F]`, `down` `[E, F, D]`; an expert computes
 `down(silu(x @ gate) * (x @ up))`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -80,16 +86,105 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return order, group_sizes
 
 
-def moe_sorted(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
-               up: jax.Array, down: jax.Array) -> jax.Array:
-    """Sorted dispatch with `jax.lax.ragged_dot`; same contract as `moe_dense`."""
-    num_tokens, top_k = experts.shape
-    order, group_sizes = sort_by_expert(experts, gate.shape[0])  # [M*k], [E]
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Grouped matmul via `jax.lax.ragged_dot`, accumulated in f32.
+
+    Args:
+        lhs: `[M, K]` rows sorted by group.
+        rhs: `[E, K, N]` one weight matrix per group.
+        group_sizes: `[E]` int32; group e owns `group_sizes[e]` consecutive rows. Rows past
+            `sum(group_sizes)` come back as zeros.
+
+    Returns:
+        `[M, N]` in the dtype of `lhs`.
+    """
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                             preferred_element_type=jnp.float32)  # [M, N]
+    return out.astype(lhs.dtype)
+
+
+def grouped_matmul_int8_reference(lhs: jax.Array, rhs: jax.Array, scales: jax.Array,
+                                  group_sizes: jax.Array) -> jax.Array:
+    """Grouped matmul with int8 weights: dequantize to f32, then `grouped_matmul_reference`.
+
+    Args:
+        lhs: `[M, K]` rows sorted by group.
+        rhs: `[E, K, N]` int8 weights.
+        scales: `[E, N]` per-expert, per-output-channel scales.
+        group_sizes: `[E]` int32 rows per group.
+
+    Returns:
+        `[M, N]` in the dtype of `lhs`.
+    """
+    weights = rhs.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, :]  # [E, K, N]
+    out = jax.lax.ragged_dot(lhs.astype(jnp.float32), weights, group_sizes,
+                             preferred_element_type=jnp.float32)  # [M, N]
+    return out.astype(lhs.dtype)
+
+
+def permute(x: jax.Array, experts: jax.Array,
+            num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gathers one row per token-expert assignment, sorted by expert.
+
+    Args:
+        x: `[M, D]` tokens.
+        experts: `[M, k]` expert ids.
+        num_experts: E.
+
+    Returns:
+        `(rows [M*k, D], order [M*k] int32, group_sizes [E] int32)`, as `sort_by_expert`
+        describes; sorted row i is token `order[i] // k`.
+    """
+    top_k = experts.shape[1]
+    order, group_sizes = sort_by_expert(experts, num_experts)  # [M*k], [E]
     rows = x[order // top_k]  # [M*k, D], assignment i reads token i // k
-    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(
-        rows, up, group_sizes)  # [M*k, F]
-    out_sorted = jax.lax.ragged_dot(hidden, down, group_sizes)  # [M*k, D]
+    return rows, order, group_sizes
+
+
+def unpermute(out_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """Scatters expert outputs back to assignment order and mixes each token's k of them.
+
+    Args:
+        out_sorted: `[M*k, D]` expert outputs in sorted (`permute`) order.
+        order: `[M*k]` from `permute`.
+        weights: `[M, k]` routing weights.
+
+    Returns:
+        `[M, D]` float32.
+    """
+    num_tokens, top_k = weights.shape
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # [M*k, D], back to flat order
     out = out.reshape(num_tokens, top_k, -1).astype(jnp.float32)  # [M, k, D]
-    mixed = jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), out)  # [M, D]
-    return mixed.astype(x.dtype)
+    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), out)  # [M, D]
+
+
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)  # [M, N]
+
+
+def moe_sorted(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
+               up: jax.Array, down: jax.Array,
+               grouped_matmul: GroupedMatmul = _ragged_dot) -> jax.Array:
+    """Sorted dispatch with grouped matmuls; same contract as `moe_dense`.
+
+    Args:
+        x: `[M, D]` tokens.
+        weights: `[M, k]` routing weights.
+        experts: `[M, k]` chosen expert ids.
+        gate: `[E, D, F]`.
+        up: `[E, D, F]`.
+        down: `[E, F, D]`.
+        grouped_matmul: `(lhs [R, K], rhs [E, K, N], group_sizes [E]) -> [R, N]`;
+            `jax.lax.ragged_dot` by default, the Pallas kernel on the kernel path.
+
+    Returns:
+        `[M, D]` in the dtype of `x`.
+    """
+    rows, order, group_sizes = permute(x, experts, gate.shape[0])  # [M*k, D], [M*k], [E]
+    hidden = jax.nn.silu(grouped_matmul(rows, gate, group_sizes)) * grouped_matmul(
+        rows, up, group_sizes)  # [M*k, F]
+    out_sorted = grouped_matmul(hidden, down, group_sizes)  # [M*k, D]
+    return unpermute(out_sorted, order, weights).astype(x.dtype)  # [M, D]

@@ -1,0 +1,422 @@
+"""Pallas TPU kernels for weight-quantized matmuls: int8, grouped int4 and W8A8.
+
+Each kernel runs a `(M // block_m, N // block_n, K // block_k)` grid. The two output axes
+are independent ("parallel", so megacore chips may split them); the K axis is a reduction
+("arbitrary"): every K step adds one `[block_m, block_n]` partial product into a VMEM
+scratch accumulator, zeroed on the first step and written to the output on the last, so
+the output block leaves VMEM once.
+
+    int8   activations (f32/bf16) times int8 weights; the per-output-channel scale is
+           constant along K, so it multiplies the accumulator once at the end instead of
+           every weight tile.
+    int4   the packed weight tile is unpacked and dequantized (group-wise scales and
+           optional zero points) inside the kernel, one K step at a time.
+    w8a8   activations are quantized per token in the wrapper (a token's scale needs its
+           whole row, which no single K block sees); int8 times int8 accumulates exactly
+           in int32 and is rescaled on the last step.
+
+Float paths compute in float32 (bf16 activations are upcast in VMEM) so they agree with
+`reference.py` to float32 rounding. Ragged M is padded in the wrapper and sliced off the
+result; K and N must be multiples of their blocks (weights are laid out once, at load
+time, so a mismatch is a configuration error and raises ValueError).
+
+Every wrapper takes `interpret=`: False for the compiled kernel, or True /
+`pltpu.InterpretParams(...)` for TPU interpret mode on any backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.quant_matmul import reference, tuning
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_COMPILER_PARAMS = pltpu.CompilerParams(
+    dimension_semantics=("parallel", "parallel", "arbitrary"))
+_STATIC = ("block_m", "block_n", "block_k", "out_dtype", "interpret")
+
+
+def _resolve_blocks(
+    weight_format: str,
+    m: int,
+    k: int,
+    n: int,
+    blocks: tuple[int | None, int | None, int | None],
+    group_size: int | None = None,
+) -> tuple[int, int, int]:
+    """Fills unset block sizes from `tuning.py` and checks K and N against their blocks."""
+    defaults = tuning.default_block_sizes(weight_format, m, k, n, group_size)
+    block_m, block_n, block_k = (given or default for given, default in zip(blocks, defaults))
+    if k % block_k:
+        raise ValueError(f"{weight_format} matmul: K={k} (x shape [{m}, {k}]) is not a "
+                         f"multiple of block_k={block_k}")
+    if n % block_n:
+        raise ValueError(f"{weight_format} matmul: N={n} (weight shape [{k}, {n}]) is not a "
+                         f"multiple of block_n={block_n}")
+    return block_m, block_n, block_k
+
+
+def _check_inner_dimension(weight_format: str, x: jax.Array, weight_k: int, n: int) -> None:
+    if x.ndim != 2 or x.shape[1] != weight_k:
+        raise ValueError(f"{weight_format} matmul: x has shape {x.shape}, expected [M, {weight_k}] "
+                         f"to match a [{weight_k}, {n}] weight")
+
+
+def _pad_rows(array: jax.Array, block_m: int, value: float = 0) -> jax.Array:
+    """Pads the token axis up to a multiple of `block_m`; the extra rows are sliced off."""
+    padding = tuning.round_up(array.shape[0], block_m) - array.shape[0]
+    if not padding:
+        return array
+    return jnp.pad(array, ((0, padding), (0, 0)), constant_values=value)
+
+
+def _grid(m_padded: int, n: int, k: int, block_m: int, block_n: int, block_k: int):
+    return (m_padded // block_m, n // block_n, k // block_k)
+
+
+# --- int8 weights, float activations -------------------------------------------------------
+
+
+def _int8_kernel(x_ref, weight_ref, scales_ref, out_ref, accumulator_ref):
+    k_step = pl.program_id(2)
+
+    @pl.when(k_step == 0)
+    def _zero():
+        accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
+
+    x = x_ref[...].astype(jnp.float32)  # [bm, bk]
+    weight = weight_ref[...].astype(jnp.float32)  # [bk, bn], exact: |int8| < 2**24
+    accumulator_ref[...] += jnp.dot(x, weight, precision=_HIGHEST,
+                                    preferred_element_type=jnp.float32)  # [bm, bn]
+
+    @pl.when(k_step == pl.num_programs(2) - 1)
+    def _write():
+        out_ref[...] = (accumulator_ref[...] * scales_ref[...]).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def int8_matmul(
+    x: jax.Array,
+    values: jax.Array,
+    scales: jax.Array,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    out_dtype: jnp.dtype | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """`x @ (values * scales)` with int8 weights and per-output-channel scales.
+
+    Args:
+        x: `[M, K]` float32 or bfloat16 activations.
+        values: `[K, N]` int8 weights.
+        scales: `[N]` float32 per-output-channel scales.
+        block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
+        out_dtype: Result dtype; defaults to the dtype of `x`.
+        interpret: `pallas_call`'s interpret argument.
+
+    Returns:
+        `[M, N]`.
+
+    Raises:
+        ValueError: Mismatched shapes, or K / N not multiples of block_k / block_n.
+    """
+    k, n = values.shape
+    _check_inner_dimension("int8", x, k, n)
+    m = x.shape[0]
+    block_m, block_n, block_k = _resolve_blocks("int8", m, k, n, (block_m, block_n, block_k))
+    x_padded = _pad_rows(x, block_m)  # [Mp, K]
+    m_padded = x_padded.shape[0]
+    out = pl.pallas_call(
+        _int8_kernel,
+        out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype or x.dtype),
+        grid=_grid(m_padded, n, k, block_m, block_n, block_k),
+        in_specs=[
+            pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((block_k, block_n), lambda i, j, kk: (kk, j)),
+            pl.BlockSpec((1, block_n), lambda i, j, kk: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, kk: (i, j)),
+        scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
+        compiler_params=_COMPILER_PARAMS,
+        interpret=interpret,
+        name="int8_matmul",
+    )(x_padded, values, scales.astype(jnp.float32).reshape(1, n))  # [Mp, N]
+    return out[:m]  # [M, N]
+
+
+# --- packed int4 weights with group-wise scales -------------------------------------------
+
+
+def _sign_extend_nibble(nibble: jax.Array) -> jax.Array:
+    """4-bit two's complement in an int32 (values 0..15) to its signed value (-8..7)."""
+    return (nibble ^ 8) - 8
+
+
+def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zeros: bool):
+    if has_zeros:
+        zeros_ref, out_ref, accumulator_ref = rest
+    else:
+        (out_ref, accumulator_ref), zeros_ref = rest, None
+    k_step = pl.program_id(2)
+
+    @pl.when(k_step == 0)
+    def _zero():
+        accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
+
+    half_k, block_n = packed_ref.shape  # bk // 2, bn
+    groups = scales_ref.shape[0]  # bk // group_size
+    # Bit operations on int32: narrow integer vector ops lower poorly (or not at all) on
+    # older TPU generations.
+    packed = packed_ref[...].astype(jnp.int32)  # [bk / 2, bn]
+    scales = scales_ref[...]  # [groups, bn]
+    zeros = zeros_ref[...].astype(jnp.float32) if has_zeros else None  # [groups, bn]
+
+    def dequantize(nibbles: jax.Array) -> jax.Array:
+        # Row r of one nibble half is original row 2r (or 2r + 1) of the block, so each
+        # group of `group_size` original rows is `group_size / 2` consecutive rows here.
+        values = _sign_extend_nibble(nibbles).astype(jnp.float32)  # [bk / 2, bn]
+        values = values.reshape(groups, group_size // 2, block_n)  # [groups, g / 2, bn]
+        if has_zeros:
+            values = values - zeros[:, None, :]
+        return (values * scales[:, None, :]).reshape(half_k, block_n)  # [bk / 2, bn]
+
+    low = dequantize(packed & 0xF)  # [bk / 2, bn] even rows of the block
+    high = dequantize(packed >> 4)  # [bk / 2, bn] odd rows of the block
+    # The wrapper reordered each K block of x to [even columns, odd columns], so the two
+    # halves of the x tile line up with the two nibbles and no interleave is needed here.
+    x = x_ref[...].astype(jnp.float32)  # [bm, bk]
+    partial = jnp.dot(x[:, :half_k], low, precision=_HIGHEST,
+                      preferred_element_type=jnp.float32)  # [bm, bn]
+    partial += jnp.dot(x[:, half_k:], high, precision=_HIGHEST,
+                       preferred_element_type=jnp.float32)
+    accumulator_ref[...] += partial
+
+    @pl.when(k_step == pl.num_programs(2) - 1)
+    def _write():
+        out_ref[...] = accumulator_ref[...].astype(out_ref.dtype)
+
+
+def _split_even_odd_columns(x: jax.Array, block_k: int) -> jax.Array:
+    """Within each K block of `[M, K]` x, puts the even columns first, then the odd ones.
+
+    This costs one pass over the activations (small next to the weights in decode) and
+    saves the kernel an interleave of the unpacked nibbles along sublanes.
+    """
+    m, k = x.shape
+    blocks = x.reshape(m, k // block_k, block_k // 2, 2)  # [M, K / bk, bk / 2, 2]
+    return blocks.swapaxes(2, 3).reshape(m, k)  # [M, K]
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "group_size"))
+def int4_matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    scales: jax.Array,
+    zeros: jax.Array | None,
+    *,
+    group_size: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    out_dtype: jnp.dtype | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """`x @ dequantize(packed, scales, zeros)` with packed int4 weights.
+
+    Args:
+        x: `[M, K]` float32 or bfloat16 activations.
+        packed: `[K // 2, N]` uint8, two int4 values per byte, low nibble = even row.
+        scales: `[K // group_size, N]` float32.
+        zeros: `[K // group_size, N]` int8 zero points, or None for symmetric weights.
+        group_size: Rows of K per scale group; block_k must be a multiple of it.
+        block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
+        out_dtype: Result dtype; defaults to the dtype of `x`.
+        interpret: `pallas_call`'s interpret argument.
+
+    Returns:
+        `[M, N]`.
+
+    Raises:
+        ValueError: Mismatched shapes; K not a multiple of group_size; K / N not multiples
+            of block_k / block_n; block_k not a multiple of group_size.
+    """
+    half_k, n = packed.shape
+    k = 2 * half_k
+    _check_inner_dimension("int4", x, k, n)
+    if group_size <= 0 or group_size % 2 or k % group_size:
+        raise ValueError(f"int4 matmul: K={k} (packed weight shape {packed.shape}) is not a "
+                         f"multiple of group_size={group_size}, or group_size is odd")
+    expected = (k // group_size, n)
+    if scales.shape != expected or (zeros is not None and zeros.shape != expected):
+        raise ValueError(f"int4 matmul: scales {scales.shape} and zeros "
+                         f"{None if zeros is None else zeros.shape} must be {expected} for "
+                         f"K={k}, N={n}, group_size={group_size}")
+    m = x.shape[0]
+    block_m, block_n, block_k = _resolve_blocks("int4", m, k, n, (block_m, block_n, block_k),
+                                                group_size)
+    if block_k % group_size:
+        raise ValueError(f"int4 matmul: block_k={block_k} is not a multiple of "
+                         f"group_size={group_size}")
+    groups = block_k // group_size
+    x_padded = _split_even_odd_columns(_pad_rows(x, block_m), block_k)  # [Mp, K]
+    m_padded = x_padded.shape[0]
+    # [K / bk, groups, N]: a K block's groups become a whole (full-size) second-minor
+    # dimension, a legal block shape even when `groups` is 1 or 2, below the sublane tile.
+    group_spec = pl.BlockSpec((pl.Squeezed(), groups, block_n), lambda i, j, kk: (kk, 0, j))
+    operands = [x_padded, packed, scales.astype(jnp.float32).reshape(k // block_k, groups, n)]
+    in_specs = [
+        pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
+        pl.BlockSpec((block_k // 2, block_n), lambda i, j, kk: (kk, j)),
+        group_spec,
+    ]
+    if zeros is not None:
+        operands.append(zeros.astype(jnp.int8).reshape(k // block_k, groups, n))
+        in_specs.append(group_spec)
+    kernel = functools.partial(_int4_kernel, group_size=group_size,
+                               has_zeros=zeros is not None)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype or x.dtype),
+        grid=_grid(m_padded, n, k, block_m, block_n, block_k),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, kk: (i, j)),
+        scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
+        compiler_params=_COMPILER_PARAMS,
+        interpret=interpret,
+        name="int4_matmul",
+    )(*operands)  # [Mp, N]
+    return out[:m]  # [M, N]
+
+
+# --- W8A8: int8 activations (quantized per token) times int8 weights -------------------------
+
+
+def _w8a8_kernel(x_ref, x_scales_ref, weight_ref, weight_scales_ref, out_ref, accumulator_ref,
+                 *, rescale: bool):
+    k_step = pl.program_id(2)
+
+    @pl.when(k_step == 0)
+    def _zero():
+        accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
+
+    accumulator_ref[...] += jax.lax.dot(x_ref[...], weight_ref[...],
+                                        preferred_element_type=jnp.int32)  # [bm, bn]
+
+    @pl.when(k_step == pl.num_programs(2) - 1)
+    def _write():
+        accumulator = accumulator_ref[...]  # [bm, bn] int32
+        if rescale:
+            # Same operations, same order as `reference.w8a8_rescale`.
+            result = (accumulator.astype(jnp.float32) * x_scales_ref[...]) * weight_scales_ref[...]
+            out_ref[...] = result.astype(out_ref.dtype)
+        else:
+            out_ref[...] = accumulator
+
+
+def _w8a8_call(
+    x_values: jax.Array,
+    x_scales: jax.Array,
+    weight_values: jax.Array,
+    weight_scales: jax.Array,
+    *,
+    blocks: tuple[int | None, int | None, int | None],
+    out_dtype: jnp.dtype,
+    rescale: bool,
+    interpret: bool | pltpu.InterpretParams,
+) -> jax.Array:
+    k, n = weight_values.shape
+    _check_inner_dimension("w8a8", x_values, k, n)
+    m = x_values.shape[0]
+    block_m, block_n, block_k = _resolve_blocks("w8a8", m, k, n, blocks)
+    x_padded = _pad_rows(x_values, block_m)  # [Mp, K] int8
+    x_scales_padded = _pad_rows(x_scales.astype(jnp.float32).reshape(m, 1), block_m,
+                                1.0)  # [Mp, 1]
+    m_padded = x_padded.shape[0]
+    out = pl.pallas_call(
+        functools.partial(_w8a8_kernel, rescale=rescale),
+        out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype if rescale else jnp.int32),
+        grid=_grid(m_padded, n, k, block_m, block_n, block_k),
+        in_specs=[
+            pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((block_m, 1), lambda i, j, kk: (i, 0)),
+            pl.BlockSpec((block_k, block_n), lambda i, j, kk: (kk, j)),
+            pl.BlockSpec((1, block_n), lambda i, j, kk: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, kk: (i, j)),
+        scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.int32)],
+        compiler_params=_COMPILER_PARAMS,
+        interpret=interpret,
+        name="w8a8_matmul" if rescale else "w8a8_int32_product",
+    )(x_padded, x_scales_padded, weight_values,
+      weight_scales.astype(jnp.float32).reshape(1, n))  # [Mp, N]
+    return out[:m]  # [M, N]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def w8a8_matmul(
+    x: jax.Array,
+    values: jax.Array,
+    scales: jax.Array,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    out_dtype: jnp.dtype | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """Quantizes `x` per token to int8, multiplies in int32 in the kernel, then rescales.
+
+    Args:
+        x: `[M, K]` float32 or bfloat16 activations.
+        values: `[K, N]` int8 weights.
+        scales: `[N]` float32 per-output-channel weight scales.
+        block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
+        out_dtype: Result dtype; defaults to the dtype of `x`.
+        interpret: `pallas_call`'s interpret argument.
+
+    Returns:
+        `[M, N]`.
+
+    Raises:
+        ValueError: Mismatched shapes, or K / N not multiples of block_k / block_n.
+    """
+    x_values, x_scales = reference.quantize_per_token_int8(x)  # [M, K] int8, [M]
+    return _w8a8_call(x_values, x_scales, values, scales,
+                      blocks=(block_m, block_n, block_k), out_dtype=out_dtype or x.dtype,
+                      rescale=True, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
+def w8a8_int32_product(
+    x_values: jax.Array,
+    weight_values: jax.Array,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """The W8A8 kernel's int32 accumulator, before rescaling (for exact tests).
+
+    Args:
+        x_values: `[M, K]` int8 activations.
+        weight_values: `[K, N]` int8 weights.
+        block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
+        interpret: `pallas_call`'s interpret argument.
+
+    Returns:
+        `[M, N]` int32.
+    """
+    m, n = x_values.shape[0], weight_values.shape[1]
+    ones_m = jnp.ones((m,), jnp.float32)  # [M] unused: the kernel skips the rescale
+    ones_n = jnp.ones((n,), jnp.float32)  # [N]
+    return _w8a8_call(x_values, ones_m, weight_values, ones_n,
+                      blocks=(block_m, block_n, block_k), out_dtype=jnp.int32,
+                      rescale=False, interpret=interpret)
