@@ -122,6 +122,17 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _speculative(text: str) -> dict:
+    """Parses `--speculative` JSON into the engine's option dict (checked by the engine)."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"--speculative is not JSON: {error}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError("--speculative must be a JSON object")
+    return options
+
+
 def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | None,
                       max_num_batched_tokens: int | None, min_token_bucket: int | None) -> None:
     """Model, size, engine and report flags both benchmarks take."""
@@ -149,6 +160,10 @@ def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | No
                         help="ratio of consecutive buckets (4: fewer programs, more padding)")
     engine.add_argument("--enable-prefix-caching", action="store_true",
                         help="share KV pages of identical prompt blocks (default off)")
+    engine.add_argument("--speculative", type=_speculative, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_tokens": '
+                             '4, "max_ngram": 3}\' or \'{"method": "draft_model", "model": '
+                             '"builtin:demo-draft", "num_tokens": 3}\' (default off)')
     peer = parser.add_argument_group("comparison and reports")
     peer.add_argument("--compare-hf", action="store_true",
                       help="also run HF transformers generate on the same weights "
@@ -213,7 +228,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                 page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, min_token_bucket=args.min_token_bucket,
                 enable_prefix_caching=args.enable_prefix_caching,
-                bucket_growth=args.bucket_growth)
+                bucket_growth=args.bucket_growth, speculative=args.speculative)
             requests = make_requests(args.num_prompts, vocab_size=model.config.vocab_size,
                                      input_len=args.input_len_range,
                                      output_len=args.output_len, seed=args.seed)
@@ -230,7 +245,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                     max_seqs, latency.default_token_budget(args.batch_size, args.input_len)),
                 min_token_bucket=args.min_token_bucket,
                 enable_prefix_caching=args.enable_prefix_caching,
-                bucket_growth=args.bucket_growth)
+                bucket_growth=args.bucket_growth, speculative=args.speculative)
             result = latency.run_latency(
                 model, batch_sizes=args.batch_size, input_len=args.input_len,
                 output_len=args.output_len, iterations=args.iterations, settings=settings,

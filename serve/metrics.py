@@ -4,7 +4,10 @@ Names follow vLLM's (`vllm:` becomes `jaxinfer:`), so existing dashboards need o
 prefix changed. Each `ServingMetrics` owns its own `CollectorRegistry`: two servers in one
 process (the tests start several) never share counters. Gauges that mirror the engine (running
 and waiting requests, KV-cache usage, prefix-cache hit rate, preemptions) are read from
-`AsyncEngine.stats()` when `/metrics` is scraped, not pushed on every step.
+`AsyncEngine.stats()` when `/metrics` is scraped, not pushed on every step; so are the
+speculative-decoding totals (vLLM's `spec_decode_num_drafts`, `..._num_draft_tokens`,
+`..._num_accepted_tokens`, exposed as gauges mirroring the engine's counters) and the
+acceptance rate and mean accepted length derived from them.
 """
 
 from __future__ import annotations
@@ -59,6 +62,18 @@ class ServingMetrics:
             "jaxinfer:prefix_cache_hit_rate", "Prompt tokens served by the prefix cache.")
         self.num_preemptions = gauge(
             "jaxinfer:num_preemptions", "Preemptions since the engine started.")
+        self.spec_decode_num_drafts = gauge(
+            "jaxinfer:spec_decode_num_drafts",
+            "Request-steps that verified speculative drafts, since the engine started.")
+        self.spec_decode_num_draft_tokens = gauge(
+            "jaxinfer:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = gauge(
+            "jaxinfer:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_decode_acceptance_rate = gauge(
+            "jaxinfer:spec_decode_acceptance_rate", "Accepted over drafted tokens (0 to 1).")
+        self.spec_decode_mean_accepted_length = gauge(
+            "jaxinfer:spec_decode_mean_accepted_length",
+            "Accepted drafts per verification step (each such step emits one more token).")
         self.prompt_tokens = Counter(
             "jaxinfer:prompt_tokens", "Prompt tokens of finished requests.", label,
             registry=self.registry)
@@ -98,7 +113,14 @@ class ServingMetrics:
                              (self.num_requests_waiting, stats.num_waiting),
                              (self.kv_cache_usage, stats.kv_cache_usage),
                              (self.prefix_cache_hit_rate, stats.prefix_cache_hit_rate),
-                             (self.num_preemptions, stats.num_preemptions)):
+                             (self.num_preemptions, stats.num_preemptions),
+                             (self.spec_decode_num_drafts, stats.num_spec_steps),
+                             (self.spec_decode_num_draft_tokens, stats.num_draft_tokens),
+                             (self.spec_decode_num_accepted_tokens, stats.num_accepted_tokens),
+                             (self.spec_decode_acceptance_rate, stats.spec_acceptance_rate),
+                             (self.spec_decode_mean_accepted_length,
+                              stats.num_accepted_tokens / stats.num_spec_steps
+                              if stats.num_spec_steps else 0.0)):
             gauge.labels(**self._labels).set(value)
         return generate_latest(self.registry)
 

@@ -21,7 +21,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxinfer.bench import hf_peer
-from jaxinfer.bench.throughput import EngineSettings, build_engine, check_lengths, run_engine
+from jaxinfer.bench.throughput import (
+    EngineSettings,
+    build_engine,
+    check_lengths,
+    run_engine,
+    speculative_line,
+    speculative_summary,
+)
 from jaxinfer.bench.workload import BenchRequest, make_requests, with_output_len
 
 if TYPE_CHECKING:
@@ -138,7 +145,7 @@ def run_latency(model: Transformer, *, batch_sizes: Sequence[int], input_len: in
     hf_model = hf_peer.load_hf_peer(model, hf_threads) if compare_hf else None
     engine = build_engine(model, settings, input_len + output_len)
     warm_up_s = engine.warm_up()
-    compiled_before = engine.runner.compilations
+    compiled_before = engine.compilations
     vocab = model.config.vocab_size
     rows = []
     for batch_size in batch_sizes:
@@ -184,8 +191,9 @@ def run_latency(model: Transformer, *, batch_sizes: Sequence[int], input_len: in
             "iterations": iterations, "batch_sizes": list(batch_sizes),
             "engine_settings": dataclasses.asdict(settings),
             "engine": {"warm_up_s": warm_up_s,
-                       "compilations_during_run": engine.runner.compilations - compiled_before,
-                       "programs": engine.runner.compilations},
+                       "compilations_during_run": engine.compilations - compiled_before,
+                       "programs": engine.compilations},
+            "speculative": speculative_summary(engine),
             "rows": rows}
 
 
@@ -207,4 +215,4 @@ def latency_table(result: dict[str, Any]) -> str:
                 else ""
             lines.append(f"| {row['batch_size']} | {name} | {side['decode_ms_per_token']:.2f} "
                          f"| {side['e2e_s']:.3f} | {side['first_token_s']:.3f} | {ratio} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + speculative_line(result)

@@ -52,6 +52,8 @@ class EngineSettings:
             max_num_seqs it fixes how many programs warm-up compiles.
         enable_prefix_caching: Share KV pages of identical prompt blocks.
         bucket_growth: Ratio of consecutive buckets (2 pads least, 4 compiles fewer programs).
+        speculative: The engine's `speculative` option (e.g. `{"method": "ngram",
+            "num_tokens": 4}`), or None for plain decoding.
     """
 
     page_size: int = 16
@@ -60,6 +62,7 @@ class EngineSettings:
     min_token_bucket: int = 64
     enable_prefix_caching: bool = False
     bucket_growth: int = 2
+    speculative: dict[str, Any] | None = None
 
 
 def load_bench_model(model: str, **config_overrides: Any) -> Transformer:
@@ -91,7 +94,31 @@ def build_engine(model: Transformer, settings: EngineSettings, max_model_len: in
         page_size=settings.page_size, max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs, max_model_len=pages * settings.page_size,
         enable_prefix_caching=settings.enable_prefix_caching, enable_prompt_logprobs=False,
-        min_token_bucket=settings.min_token_bucket, bucket_growth=settings.bucket_growth))
+        min_token_bucket=settings.min_token_bucket, bucket_growth=settings.bucket_growth,
+        speculative=settings.speculative))
+
+
+def speculative_summary(engine: Engine) -> dict[str, float] | None:
+    """The engine's speculative-decoding totals and rates, or None without speculation."""
+    if engine.speculative is None:
+        return None
+    stats = engine.stats()
+    steps = stats.num_spec_steps
+    return {"num_spec_steps": steps, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "acceptance_rate": stats.spec_acceptance_rate,
+            "mean_accepted_length": stats.num_accepted_tokens / steps if steps else 0.0}
+
+
+def speculative_line(result: dict[str, Any]) -> str:
+    """One markdown line with the run's acceptance numbers (empty without speculation)."""
+    spec = result.get("speculative")
+    if not spec:
+        return ""
+    return (f"\n\nspeculative decoding: {spec['num_draft_tokens']} drafted, "
+            f"{spec['num_accepted_tokens']} accepted (acceptance rate "
+            f"{spec['acceptance_rate']:.2f}, mean accepted length "
+            f"{spec['mean_accepted_length']:.2f} per verification step)")
 
 
 # ---------------------------------------------------------------------- engine adapters
@@ -140,7 +167,7 @@ def run_engine(engine: Engine, requests: Sequence[BenchRequest]) -> EngineRun:
     Raises:
         AssertionError: A request finished with a different number of tokens than asked for.
     """
-    compiled_before = engine.runner.compilations
+    compiled_before = engine.compilations
     steps_before = engine.num_steps
     token_ids: dict[str, list[int]] = {}
     started = time.perf_counter()
@@ -151,7 +178,7 @@ def run_engine(engine: Engine, requests: Sequence[BenchRequest]) -> EngineRun:
     elapsed = time.perf_counter() - started
     check_lengths(requests, token_ids, "the engine")
     return EngineRun(elapsed, token_ids, engine.num_steps - steps_before,
-                     engine.runner.compilations - compiled_before)
+                     engine.compilations - compiled_before)
 
 
 def check_lengths(requests: Sequence[BenchRequest], token_ids: dict[str, list[int]],
@@ -214,7 +241,8 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         "engine_settings": dataclasses.asdict(settings),
         "engine": {**rates(requests, run.elapsed_s), "warm_up_s": warm_up_s,
                    "compilations_during_run": run.compilations, "num_steps": run.num_steps,
-                   "programs": engine.runner.compilations},
+                   "programs": engine.compilations},
+        "speculative": speculative_summary(engine),
         "token_ids": {"engine": run.token_ids},
     }
     if hf_model is not None:
@@ -240,6 +268,7 @@ def throughput_table(result: dict[str, Any]) -> str:
                  f"{engine['output_tokens_per_s']:.1f} | {engine['total_tokens_per_s']:.1f} | "
                  f"{engine['elapsed_s']:.2f} | {engine['warm_up_s']:.1f} | "
                  f"{engine['compilations_during_run']} |")
+    spec_line = speculative_line(result)
     if "hf" in result:
         hf = result["hf"]
         lines.append(f"| HF transformers (static batch {hf['batch_size']}) | "
@@ -248,7 +277,7 @@ def throughput_table(result: dict[str, Any]) -> str:
                      f"{hf['warm_up_s']:.1f} | n/a |")
         lines.append(f"\nengine / HF output tok/s: **{result['engine_over_hf']:.2f}x**; "
                      f"token-identical requests: {result['hf_token_agreement']:.0%}")
-    return "\n".join(lines)
+    return "\n".join(lines) + spec_line
 
 
 # ---------------------------------------------------------------------- reports

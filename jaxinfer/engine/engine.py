@@ -14,6 +14,16 @@ detokenizes, looks for stop strings (a match aborts the scheduler request at onc
 pages) and collects logprobs. The scheduler never touches device arrays and the runner never
 makes scheduling decisions.
 
+Speculative decoding (`speculative={"method": "ngram", "num_tokens": k, "max_ngram": n}` or
+`{"method": "draft_model", "model": ..., "num_tokens": k}`): before each step, every running
+request that speculates and is decoding gets up to k drafts (`jaxinfer.engine.speculative`,
+`jaxinfer.engine.draft_model`); the scheduler budgets them, the runner verifies them with
+exact speculative sampling in the same ragged step, and the scheduler keeps the accepted ones
+and rolls back the rest. A request speculates unless it opts out (`speculative=False`) or asks
+for something that changes per position or needs per-token results: logprobs, prompt
+logprobs, repetition/frequency/presence penalties; it drafts nothing while min_tokens still
+holds stop tokens back. Speculating and plain requests share every batch.
+
 A request with `n > 1` becomes n scheduler requests ("ID#0", "ID#1", ...). With prefix caching
 on, the first one runs alone until its prompt is computed, and the others are admitted after
 it, so they find every full prompt block in the prefix cache and share those pages (reference
@@ -29,12 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from jaxinfer.engine.draft_model import DraftModelProposer
 from jaxinfer.engine.output_processor import SampleState
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.engine.outputs import RequestOutput, SpeculativeStats
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import ModelRunner, PromptLogprobs, RunnerConfig, SampledToken
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.engine.speculative import SpeculativeConfig, propose_ngram
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.models import Transformer
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
@@ -61,6 +73,8 @@ class EngineConfig:
         min_token_bucket: The smallest padded token count of a step.
         bucket_growth: Ratio of consecutive token and sequence buckets (2 pads least; 4
             compiles fewer programs, so warm-up is faster).
+        speculative: Speculative decoding, as a `SpeculativeConfig` or a dict of its fields
+            (e.g. `{"method": "ngram", "num_tokens": 4, "max_ngram": 3}`); None turns it off.
     """
 
     page_size: int = 16
@@ -73,6 +87,7 @@ class EngineConfig:
     cache_dtype: str | None = None
     min_token_bucket: int = 8
     bucket_growth: int = 2
+    speculative: SpeculativeConfig | Mapping[str, Any] | None = None
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """This config with the None fields filled in for a model."""
@@ -84,7 +99,8 @@ class EngineConfig:
             raise ValueError(f"num_pages = {num_pages}: one sequence of max_model_len = "
                              f"{max_model_len} tokens needs {pages_per_sequence} pages of "
                              f"{self.page_size} plus the null page")
-        return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
+        return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages,
+                                   speculative=SpeculativeConfig.parse(self.speculative))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +115,9 @@ class EngineStats:
         prefix_cache_hit_rate: Fraction of admitted prompt tokens served by the prefix cache.
         num_preemptions: Preemptions since the engine was built.
         num_steps: Device steps run since the engine was built.
+        num_spec_steps: Request-steps that verified drafts.
+        num_draft_tokens: Draft tokens verified.
+        num_accepted_tokens: Of those, the accepted ones.
     """
 
     num_running: int
@@ -107,6 +126,14 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_steps: int
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 class _RequestState:
@@ -125,6 +152,7 @@ class _RequestState:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             None if params.prompt_logprobs is None else [None])
         self.deferred: list[Request] = []  # samples waiting for the prompt to be cached
+        self.speculative: SpeculativeStats | None = None
 
     @property
     def finished(self) -> bool:
@@ -151,7 +179,24 @@ class _RequestState:
             prompt_logprobs = list(self.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
                              [sample.output() for sample in self.samples], self.finished,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs,
+                             speculative=None if self.speculative is None else
+                             dataclasses.replace(self.speculative))
+
+
+def _can_speculate(params: SamplingParams) -> bool:
+    """Whether a request's drafts can be verified exactly in one step: nothing it asks for
+    changes from one position to the next or needs per-token results."""
+    return (params.logprobs is None and params.prompt_logprobs is None
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0)
+
+
+def _is_decoding(request: Request) -> bool:
+    """Whether the request's next step feeds only its last token (no prefill left), and
+    min_tokens no longer holds stop tokens back (it would change per draft position)."""
+    return (request.num_computed_tokens == request.num_tokens - 1
+            and request.num_output_tokens >= request.sampling_params.min_tokens)
 
 
 def _logprob_dict(token_id: int, logprob: float, top_ids: np.ndarray,
@@ -167,16 +212,20 @@ class Engine:
     """Continuous batching over one model: add requests at any time, call `step()`."""
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, *,
+                 draft_model: Transformer | None = None) -> None:
         """Builds the scheduler, the page pool and the jitted step (not yet compiled).
 
         Args:
             model: The model to serve.
             config: Engine options.
             tokenizer: For text prompts, output text and stop strings; None serves token ids.
+            draft_model: The drafter for `speculative={"method": "draft_model", ...}`, if
+                already built; None loads the config's `model` name.
 
         Raises:
-            ValueError: An invalid config (the field is named).
+            ValueError: An invalid config (the field is named), or a drafter whose
+                vocabulary differs from the target's.
         """
         config = (config or EngineConfig()).resolved(model.config.max_position_embeddings)
         self.config = config
@@ -194,7 +243,21 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             cache_dtype=config.cache_dtype, min_token_bucket=config.min_token_bucket,
             enable_prompt_logprobs=config.enable_prompt_logprobs,
-            bucket_growth=config.bucket_growth))
+            bucket_growth=config.bucket_growth,
+            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0,
+            draft_distributions=(config.speculative is not None
+                                 and config.speculative.method == "draft_model")))
+        self.speculative: SpeculativeConfig | None = config.speculative
+        self.spec_stats = SpeculativeStats()
+        self.drafter: DraftModelProposer | None = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            drafter = draft_model if draft_model is not None else load_model(
+                self.speculative.model)
+            if drafter.config.vocab_size != model.config.vocab_size:
+                raise ValueError(f"the drafter's vocabulary ({drafter.config.vocab_size}) "
+                                 f"differs from the target's ({model.config.vocab_size})")
+            self.drafter = DraftModelProposer(drafter, self.runner.config,
+                                              self.speculative.num_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._children: dict[str, tuple[_RequestState, int]] = {}  # scheduler id -> sample
         self.num_steps = 0
@@ -234,14 +297,23 @@ class Engine:
         return cls(network, EngineConfig(**engine_options), loaded)
 
     def warm_up(self) -> float:
-        """Compiles every bucket of the device step; returns the seconds it took."""
-        return self.runner.warm_up()
+        """Compiles every bucket of the device step (and the drafter's); returns seconds."""
+        seconds = self.runner.warm_up()
+        if self.drafter is not None:
+            seconds += self.drafter.warm_up()
+        return seconds
+
+    @property
+    def compilations(self) -> int:
+        """Programs compiled so far, the drafter's included (constant after `warm_up`)."""
+        return self.runner.compilations + (
+            self.drafter.runner.compilations if self.drafter is not None else 0)
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: Prompt,
                     sampling_params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, speculative: bool = True) -> None:
         """Queues a request; it joins the running batch at the next step that has room.
 
         Args:
@@ -251,6 +323,9 @@ class Engine:
                 came from (e.g. a rendered chat), or with "prompt" only.
             sampling_params: How to sample and when to stop; None is `SamplingParams()`.
             cache_salt: Keeps this request's prefix-cache blocks apart from other salts.
+            speculative: False opts the request out of the engine's speculative decoding
+                (it has no effect on an engine without it, or on a request that cannot
+                speculate, see the module docstring).
 
         Raises:
             ValueError: A duplicate id, an empty prompt, a token id outside the vocabulary
@@ -269,6 +344,9 @@ class Engine:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = tuple(dict.fromkeys((*eos, *(params.stop_token_ids or ()))))
         state = _RequestState(request_id, text, token_ids, params, self.tokenizer)
+        speculate = speculative and self.speculative is not None and _can_speculate(params)
+        if speculate:
+            state.speculative = SpeculativeStats()
         children = []
         for index in range(params.n):
             child_params = params
@@ -281,7 +359,7 @@ class Engine:
             children.append(Request(
                 child_id, token_ids, child_params, max_tokens=params.max_tokens,
                 eos_token_ids=stop_ids, cache_salt=cache_salt,
-                skip_prefix_cache=params.prompt_logprobs is not None))
+                skip_prefix_cache=params.prompt_logprobs is not None, speculate=speculate))
         if params.n > 1 and self.config.enable_prefix_caching:
             children, state.deferred = children[:1], children[1:]
         for child in children:
@@ -354,6 +432,8 @@ class Engine:
             child_id = request_id if state.params.n == 1 else f"{request_id}#{index}"
             self.scheduler.abort_request(child_id)
             self._children.pop(child_id, None)
+            if self.drafter is not None:
+                self.drafter.release([child_id])
             if not sample.finished:
                 sample.finish_reason = "abort"
         state.deferred = []
@@ -371,6 +451,8 @@ class Engine:
         Returns:
             A cumulative RequestOutput for each request that got tokens or finished.
         """
+        if self.speculative is not None:
+            self._propose_drafts()
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if scheduled.is_empty:
@@ -379,12 +461,16 @@ class Engine:
         self.num_steps += 1
         for child_id, chunk in result.prompt_logprobs.items():
             self._children[child_id][0].add_prompt_logprobs(chunk)
-        outputs = self.scheduler.update_from_output(
-            scheduled, {child_id: [sampled.token_id]
-                        for child_id, sampled in result.sampled.items()})
+        new_tokens = {child_id: [sampled.token_id]
+                      for child_id, sampled in result.sampled.items()}
+        new_tokens.update(result.speculated)
+        outputs = self.scheduler.update_from_output(scheduled, new_tokens)
         touched: dict[str, _RequestState] = {}
         for output in outputs:
             state, index = self._children[output.request_id]
+            if state.speculative is not None:
+                state.speculative.add(output.num_draft_tokens, output.num_accepted_tokens)
+                self.spec_stats.add(output.num_draft_tokens, output.num_accepted_tokens)
             logprobs = None
             if state.params.logprobs is not None and output.new_token_ids:
                 sampled: SampledToken = result.sampled[output.request_id]
@@ -396,6 +482,8 @@ class Engine:
                 self.scheduler.abort_request(output.request_id)  # a stop string matched
             if state.samples[index].finished:
                 del self._children[output.request_id]
+                if self.drafter is not None:
+                    self.drafter.release([output.request_id])
             if state.deferred:
                 # The first sample has its first token, so its prompt blocks are cached.
                 for child in state.deferred:
@@ -406,6 +494,21 @@ class Engine:
             if state.finished:
                 del self._requests[request_id]
         return [state.output() for state in touched.values()]
+
+    def _propose_drafts(self) -> None:
+        """Gives each speculating, decoding request its drafts for the coming step."""
+        config = self.speculative
+        decoding = []
+        for request in self.scheduler.running:
+            request.spec_token_ids, request.spec_draft_probs = [], None
+            if request.speculate and _is_decoding(request):
+                decoding.append(request)
+        if self.drafter is not None:
+            self.drafter.propose(decoding, self.config.max_model_len)
+            return
+        for request in decoding:
+            request.spec_token_ids = propose_ngram(request.all_token_ids, config.num_tokens,
+                                                   config.max_ngram, config.min_ngram)
 
     # ------------------------------------------------------------------ metrics
 
@@ -418,7 +521,10 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=1.0 - manager.num_free_blocks / usable,
             prefix_cache_hit_rate=manager.prefix_cache_hit_rate,
-            num_preemptions=self.num_preemptions, num_steps=self.num_steps)
+            num_preemptions=self.num_preemptions, num_steps=self.num_steps,
+            num_spec_steps=self.spec_stats.num_spec_steps,
+            num_draft_tokens=self.spec_stats.num_draft_tokens,
+            num_accepted_tokens=self.spec_stats.num_accepted_tokens)
 
     @property
     def num_free_pages(self) -> int:

@@ -153,14 +153,19 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+                       new_computed_blocks: Sequence[int] = (),
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Makes room for `num_new_tokens` more tokens of the request, all or nothing.
 
         Args:
             request: The request; its `num_computed_tokens` tokens are already in its blocks.
-            num_new_tokens: Tokens to be computed this step, after the prefix-cache hit.
+            num_new_tokens: Tokens to be computed this step, after the prefix-cache hit
+                (speculative draft tokens included).
             new_computed_blocks: On admission only, the prefix-cache hit from
                 `get_computed_blocks`; they are referenced and put at the head of the table.
+            num_lookahead_tokens: How many of the new tokens are speculative drafts, which
+                lie past the request's known tokens (`free_excess_blocks` gives back the
+                blocks of those that are rejected).
 
         Returns:
             The newly allocated block ids (possibly an empty list: test with `is None`), or
@@ -179,9 +184,10 @@ class KVCacheManager:
         num_held = len(table) if table else 0
         num_hit_tokens = len(new_computed_blocks) * self.block_size
         num_total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        if num_total_tokens > request.num_tokens:
+        if num_total_tokens > request.num_tokens + num_lookahead_tokens:
             raise ValueError(f"request {request.request_id!r}: {num_total_tokens} tokens asked "
-                             f"for, only {request.num_tokens} are known")
+                             f"for, only {request.num_tokens} are known (plus "
+                             f"{num_lookahead_tokens} drafts)")
         num_needed = -(-num_total_tokens // self.block_size)
         num_new_blocks = max(num_needed - num_held - len(new_computed_blocks), 0)
         # Hit blocks sitting in the LRU count as free, but touching them takes them out of it,
@@ -218,7 +224,10 @@ class KVCacheManager:
         table = self._block_tables.get(request.request_id)
         if not table:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        # Accepted drafts are computed before they are appended as tokens, so the computed
+        # count can run ahead of the known tokens, which the hashes are made of.
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(table))
         first = self._num_handled_blocks[request.request_id]
         if num_full <= first:
             return
@@ -226,6 +235,28 @@ class KVCacheManager:
         for index in range(first, num_full):
             self.block_pool.cache_block(table[index], hashes[index])
         self._num_handled_blocks[request.request_id] = num_full
+
+    def free_excess_blocks(self, request: Request) -> int:
+        """Rolls a request's table back to its computed tokens, by length, without copies.
+
+        After a speculative step, the tokens of rejected drafts stay in the pages as garbage
+        past `num_computed_tokens` (later steps overwrite them); the blocks that hold only such
+        tokens go back to the free list. They were never cached: `cache_full_blocks` only
+        registers computed blocks, and the scheduler rolls back before calling it.
+
+        Returns:
+            The number of blocks released.
+        """
+        table = self._block_tables.get(request.request_id)
+        if not table:
+            return 0
+        num_needed = -(-request.num_computed_tokens // self.block_size)
+        excess = table[num_needed:]
+        del table[num_needed:]
+        self._num_handled_blocks[request.request_id] = min(
+            self._num_handled_blocks[request.request_id], num_needed)
+        self.block_pool.free(reversed(excess))
+        return len(excess)
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, last first, and forgets its hashes.

@@ -1,4 +1,5 @@
-"""What users get back (vLLM's shapes): `RequestOutput` holding `CompletionOutput`s."""
+"""What users get back (vLLM's shapes): `RequestOutput` holding `CompletionOutput`s, and the
+speculative-decoding counters reported per request and per engine."""
 
 from __future__ import annotations
 
@@ -34,6 +35,39 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class SpeculativeStats:
+    """Speculative-decoding counters (of one request, or of the whole engine).
+
+    Attributes:
+        num_spec_steps: Target steps that verified drafts.
+        num_draft_tokens: Draft tokens verified.
+        num_accepted_tokens: Of those, the accepted ones.
+    """
+
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Counts one verification step (nothing if it had no drafts)."""
+        if num_draft_tokens:
+            self.num_spec_steps += 1
+            self.num_draft_tokens += num_draft_tokens
+            self.num_accepted_tokens += num_accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over drafted tokens (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted drafts per verification step (0 before any); each such step emits this
+        plus one token."""
+        return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """A request's prompt and its samples so far.
 
@@ -46,6 +80,8 @@ class RequestOutput:
         prompt_logprobs: When requested, None for the first prompt token and then one
             {token_id: logprob} dict per prompt token (the token itself and the top
             alternatives), once the whole prompt is computed; else None.
+        speculative: The request's speculative-decoding counters (all samples together),
+            when the engine speculates; else None.
     """
 
     request_id: str
@@ -54,3 +90,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    speculative: SpeculativeStats | None = None

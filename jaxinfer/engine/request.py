@@ -70,12 +70,22 @@ class Request:
         num_preemptions: How often the request was preempted and had to start over.
         num_cached_tokens: Prompt tokens found in the prefix cache at first admission, or -1
             before it.
+        speculate: Whether the engine may propose draft tokens for this request.
+        spec_token_ids: Draft tokens proposed for the next step (the scheduler feeds them
+            after the request's known tokens, and the step verifies them); empty when not
+            speculating.
+        spec_draft_probs: `[len(spec_token_ids), V]` the drafter's distributions for those
+            drafts, or None for point-mass (n-gram) drafts.
+        num_spec_steps: Steps in which the request had drafts verified.
+        num_draft_tokens: Draft tokens verified over those steps.
+        num_accepted_tokens: Of those, the accepted ones.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: Any = None, *, max_tokens: int = 16,
                  eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
-                 cache_salt: str | None = None, skip_prefix_cache: bool = False) -> None:
+                 cache_salt: str | None = None, skip_prefix_cache: bool = False,
+                 speculate: bool = False) -> None:
         """Creates a WAITING request with nothing computed.
 
         Raises:
@@ -101,6 +111,12 @@ class Request:
         self.arrival_time = time.monotonic()
         self.num_preemptions = 0
         self.num_cached_tokens = -1
+        self.speculate = speculate
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: Any = None
+        self.num_spec_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # Prompt and outputs in one list, kept in step with output_token_ids, so that slicing
         # the tokens to feed costs no concatenation per step.
         self._all_token_ids = list(self.prompt_token_ids)

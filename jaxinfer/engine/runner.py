@@ -9,6 +9,13 @@ runs the model over the paged cache (donated, so it is updated in place), and sa
 token per request from the logits of its last token, on device, with per-request
 parameters and per-request PRNG keys.
 
+Speculative decoding (`num_speculative_tokens` = K > 0): a request's step may end with up to K
+draft tokens (`ScheduledRequest.spec_token_ids`). The step then also takes the logits at its
+last known token and at each draft (`[S, K + 1, V]`, one lm-head pass over S * (K + 1) gathered
+rows, skipped when no request has drafts) and verifies the drafts on device with exact
+speculative sampling (`jaxinfer.engine.spec_decode.verify`); drafts are `[S, K]` arrays with a
+per-row count, so the step's shapes, and its compiled programs, stay those of its buckets.
+
 Shapes depend only on the two bucket sizes, so `warm_up` compiles every (T, S) pair once and
 the engine never compiles again; `compilations` counts the cache entries to prove it.
 """
@@ -34,6 +41,7 @@ from jaxinfer.engine.sampler import (
 )
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.scheduler import ScheduledRequest
+from jaxinfer.engine.spec_decode import Verification, sampling_probabilities, verify
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
 
 
@@ -63,6 +71,12 @@ class RunnerConfig:
         enable_prompt_logprobs: Compile (and allow) the step that returns prompt logprobs.
         bucket_growth: Ratio of consecutive buckets: 2 pads least, 4 compiles fewer programs
             (faster warm-up) at up to 4x padding.
+        num_speculative_tokens: K, the most draft tokens a request may bring to a step
+            (0: no speculative decoding).
+        draft_distributions: Whether drafts come with the drafter's distributions (a draft
+            model) rather than as point masses (prompt lookup).
+        return_probabilities: Also return each sampled token's whole distribution (after the
+            sampler's transform), as a drafter must for verification.
     """
 
     num_pages: int
@@ -75,12 +89,18 @@ class RunnerConfig:
     max_logprobs: int = MAX_LOGPROBS
     enable_prompt_logprobs: bool = True
     bucket_growth: int = 2
+    num_speculative_tokens: int = 0
+    draft_distributions: bool = False
+    return_probabilities: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_batched_tokens", "max_num_seqs",
                      "max_model_len", "min_token_bucket"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens = {self.num_speculative_tokens}: must "
+                             "be >= 0")
         if self.bucket_growth < 2:
             raise ValueError(f"bucket_growth = {self.bucket_growth}: must be >= 2")
         if self.num_pages < 2:
@@ -118,12 +138,15 @@ class SampledToken:
         top_token_ids: `[K]` the K most likely tokens, most likely first (K is the runner's
             `max_logprobs`; empty when no request of the step asked for logprobs).
         top_logprobs: `[K]` their log-probabilities.
+        probabilities: `[V]` the distribution the token was drawn from (after temperature,
+            min_p, top-k and top-p), with `return_probabilities`; else None.
     """
 
     token_id: int
     logprob: float
     top_token_ids: np.ndarray
     top_logprobs: np.ndarray
+    probabilities: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +175,13 @@ class RunnerOutput:
         sampled: Per request with `needs_sample`, its token.
         prompt_logprobs: Per request that asked for prompt logprobs and fed prompt tokens
             with a successor this step, their logprobs.
+        speculated: Per request that brought drafts, its new tokens: the accepted drafts and
+            one more (such requests are not in `sampled`).
     """
 
     sampled: dict[str, SampledToken]
     prompt_logprobs: dict[str, PromptLogprobs]
+    speculated: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def _bucket(size: int, buckets: Sequence[int]) -> int:
@@ -195,7 +221,9 @@ class ModelRunner:
                      token_ids: jax.Array, positions: jax.Array, batch: PagedBatch,
                      last_token_index: jax.Array, sampling: SamplingArrays, seeds: jax.Array,
                      output_index: jax.Array, want_logprobs: jax.Array,
-                     next_token_ids: jax.Array, *, with_prompt_logprobs: bool
+                     next_token_ids: jax.Array, draft_token_ids: jax.Array,
+                     num_draft_tokens: jax.Array, draft_probs: jax.Array | None, *,
+                     with_prompt_logprobs: bool
                      ) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
         model = nnx.merge(self.graphdef, state)
         hidden, cache = model.hidden_states(token_ids[None], positions[None],
@@ -224,7 +252,41 @@ class ModelRunner:
             jnp.any(want_logprobs), with_top(self.config.max_logprobs),
             lambda: _without_top(with_top(0)(), self.config.max_logprobs))
         result.update(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_values)
+        if self.config.return_probabilities:
+            result["probabilities"] = sampling_probabilities(logits, sampling)  # [S, V]
+        if self.config.num_speculative_tokens:
+            verification = self._verify(model, hidden, last_token_index, sampling, keys,
+                                        draft_token_ids, num_draft_tokens, draft_probs)
+            result.update(spec_tokens=verification.token_ids,
+                          num_accepted=verification.num_accepted)
         return cache.layers, result
+
+    def _verify(self, model: Transformer, hidden: jax.Array, last_token_index: jax.Array,
+                sampling: SamplingArrays, keys: jax.Array, draft_token_ids: jax.Array,
+                num_draft_tokens: jax.Array, draft_probs: jax.Array | None) -> Verification:
+        """Scores each row's last known token and drafts, and verifies the drafts."""
+        positions = self.config.num_speculative_tokens + 1
+        num_seqs = last_token_index.shape[0]
+        # Row s's drafts are its last num_draft_tokens fed tokens; position j of the window
+        # predicts the token after draft j (j = 0: after the last known token). Positions past
+        # a row's drafts repeat its last token, and verify ignores them.
+        first = last_token_index - num_draft_tokens  # [S]
+        window = jnp.minimum(first[:, None] + jnp.arange(positions)[None, :],
+                             last_token_index[:, None])  # [S, K + 1]
+        window = jnp.maximum(window, 0)  # [S, K + 1]; padding rows point at token 0
+
+        def scored() -> Verification:
+            rows = hidden[0, window.reshape(-1)][None]  # [1, S * (K + 1), D]
+            logits = model.logits(rows)[0].reshape(num_seqs, positions, -1)  # [S, K + 1, V]
+            return verify(logits, draft_token_ids, draft_probs, num_draft_tokens, sampling,
+                          keys)
+
+        def nothing() -> Verification:
+            return Verification(jnp.zeros((num_seqs, positions), jnp.int32),
+                                jnp.zeros((num_seqs,), jnp.int32))
+
+        # Steps without drafts (prefills, non-speculating batches) skip the extra lm-head.
+        return jax.lax.cond(jnp.any(num_draft_tokens > 0), scored, nothing)
 
     # ------------------------------------------------------------------ host side
 
@@ -242,6 +304,11 @@ class ModelRunner:
         seeds = np.zeros(num_seqs, np.uint32)  # [S]
         output_index = np.zeros(num_seqs, np.int32)  # [S]
         want_logprobs = np.zeros(num_seqs, np.bool_)  # [S]
+        num_drafts = config.num_speculative_tokens
+        draft_token_ids = np.zeros((num_seqs, num_drafts), np.int32)  # [S, K]
+        num_draft_tokens = np.zeros(num_seqs, np.int32)  # [S]
+        draft_probs = (np.zeros((num_seqs, num_drafts, self.model_config.vocab_size),
+                                np.float32) if config.draft_distributions else None)  # [S, K, V]
         offset = 0
         for s, sequence in enumerate(sequences):
             count = len(sequence.token_ids)
@@ -266,6 +333,18 @@ class ModelRunner:
             seeds[s] = seed % (2 ** 32)
             output_index[s] = sequence.num_output_tokens
             want_logprobs[s] = params is not None and params.logprobs is not None
+            drafts = sequence.spec_token_ids
+            if drafts:
+                if len(drafts) > num_drafts:
+                    raise ValueError(f"request {sequence.request_id!r}: {len(drafts)} drafts, "
+                                     f"the runner verifies at most {num_drafts}")
+                draft_token_ids[s, :len(drafts)] = drafts
+                num_draft_tokens[s] = len(drafts)
+                if draft_probs is not None:
+                    if sequence.spec_draft_probs is None:
+                        raise ValueError(f"request {sequence.request_id!r}: drafts without "
+                                         "the drafter's distributions")
+                    draft_probs[s, :len(drafts)] = sequence.spec_draft_probs
         cu_q_lens[len(sequences) + 1:] = offset
         batch = PagedBatch(slots, kv_lens, page_indices, cu_q_lens,
                            np.asarray([len(sequences)], np.int32))
@@ -275,7 +354,7 @@ class ModelRunner:
             output_token_ids=[sequence.output_token_ids for sequence in sequences],
             eos_token_ids=self.model_config.eos_token_ids, batch_size=num_seqs)
         return (token_ids, positions, batch, last, sampling, seeds, output_index,
-                want_logprobs, next_token_ids)
+                want_logprobs, next_token_ids, draft_token_ids, num_draft_tokens, draft_probs)
 
     def execute(self, sequences: Sequence[ScheduledRequest]) -> RunnerOutput:
         """Runs one step over the scheduled requests.
@@ -312,13 +391,17 @@ class ModelRunner:
         self.pages, result = step(self.state, self.pages,
                                   *self._pack(sequences, num_tokens, num_seqs))
         result = jax.device_get(result)
-        sampled, prompt = {}, {}
+        sampled, prompt, speculated = {}, {}, {}
         offset = 0
         for s, sequence in enumerate(sequences):
-            if sequence.needs_sample:
+            if sequence.spec_token_ids:
+                emitted = int(result["num_accepted"][s]) + 1
+                speculated[sequence.request_id] = result["spec_tokens"][s, :emitted].tolist()
+            elif sequence.needs_sample:
                 sampled[sequence.request_id] = SampledToken(
                     int(result["tokens"][s]), float(result["logprobs"][s]),
-                    result["top_ids"][s], result["top_logprobs"][s])
+                    result["top_ids"][s], result["top_logprobs"][s],
+                    result["probabilities"][s] if "probabilities" in result else None)
             if sequence.request_id in wants_prompt:
                 start = sequence.start_position
                 # Fed position i predicts prompt token i + 1, which must exist.
@@ -329,7 +412,7 @@ class ModelRunner:
                     start + 1, result["prompt_logprobs"][rows],
                     result["prompt_top_ids"][rows], result["prompt_top_logprobs"][rows])
             offset += len(sequence.token_ids)
-        return RunnerOutput(sampled, prompt)
+        return RunnerOutput(sampled, prompt, speculated)
 
     def warm_up(self) -> float:
         """Compiles the step for every (token bucket, sequence bucket) pair; returns seconds.

@@ -12,6 +12,15 @@ are released, its `num_computed_tokens` reset to 0, and it goes to the front of 
 queue, keeping its sampled tokens, which are recomputed with its prompt when it is readmitted.
 This repeats until the request fits or is itself the one preempted.
 
+Speculative decoding: a running request whose known tokens all fit in the step also gets the
+draft tokens the engine proposed (`Request.spec_token_ids`), as far as the budget, its
+`max_tokens` and `max_model_len` allow, so the target scores the last known token plus k drafts
+in the same ragged step (k + 1 tokens of the budget). `update_from_output` then takes the
+accepted drafts plus one token, and rolls the request back by length: `num_computed_tokens`
+drops by the rejected drafts, whose pages are freed (no page is copied; the garbage they hold
+past the computed length is overwritten later), before full blocks are cached, so a rejected
+draft never enters the prefix cache.
+
 The engine loop alternates `schedule()` -> run the model -> `update_from_output()`; every
 non-empty SchedulerOutput must be run and reported before the next `schedule()`, which is what
 makes it safe to hand out and cache blocks on the host before the device has written them.
@@ -107,6 +116,10 @@ class ScheduledRequest:
         block_table: The request's blocks, covering every position up to the last one fed.
         needs_sample: Whether the chunk reaches the request's last known token, so that a token
             must be sampled from its last position; False for a prefill chunk that stops early.
+        spec_token_ids: Draft tokens fed after the known ones (the tail of `token_ids`), to be
+            verified this step; empty when not speculating.
+        spec_draft_probs: `[len(spec_token_ids), V]` the drafter's distributions, or None for
+            point-mass (n-gram) drafts.
         num_output_tokens: Tokens the request had sampled before this step (the index of the
             token sampled now, e.g. to derive a per-request PRNG key that survives preemption).
         sampling_params: The request's sampling parameters, as given.
@@ -124,6 +137,8 @@ class ScheduledRequest:
     sampling_params: Any
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    spec_draft_probs: Any = None
 
     @property
     def start_position(self) -> int:
@@ -172,11 +187,15 @@ class RequestOutput:
         request_id: The request.
         new_token_ids: Tokens sampled this step and kept (none after a stop token).
         status: The request's status after the step.
+        num_draft_tokens: Draft tokens verified for the request this step.
+        num_accepted_tokens: Of those, the accepted ones.
     """
 
     request_id: str
     new_token_ids: list[int]
     status: RequestStatus
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -284,14 +303,18 @@ class Scheduler:
                                "previous step")
         manager = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
-        chosen: list[tuple[Request, int]] = []
+        chosen: list[tuple[Request, int, list[int]]] = []
         preempted: list[Request] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            while manager.allocate_slots(request, num_new_tokens) is None:
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = min(num_known, budget)
+            drafts = (self._drafts_that_fit(request, budget - num_new_tokens)
+                      if num_new_tokens == num_known else [])
+            while manager.allocate_slots(request, num_new_tokens + len(drafts),
+                                         num_lookahead_tokens=len(drafts)) is None:
                 # The newest running request is at the end; it was not chosen yet, because
                 # requests are chosen in order and it is at or after `index`.
                 victim = self.running.pop()
@@ -300,8 +323,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chosen.append((request, num_new_tokens))
-                budget -= num_new_tokens
+                chosen.append((request, num_new_tokens, drafts))
+                budget -= num_new_tokens + len(drafts)
                 index += 1
                 continue
             break  # The request preempted itself, so it was the last running one.
@@ -321,11 +344,11 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
-            chosen.append((request, num_new_tokens))
+            chosen.append((request, num_new_tokens, []))
             budget -= num_new_tokens
 
-        scheduled = [self._describe(request, num_new_tokens)
-                     for request, num_new_tokens in chosen]
+        scheduled = [self._describe(request, num_new_tokens, drafts)
+                     for request, num_new_tokens, drafts in chosen]
         output = SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
@@ -335,7 +358,7 @@ class Scheduler:
         self._finished_since_last_step = []
         if scheduled:
             self._pending_output = output
-            self._pending_requests = {request.request_id: request for request, _ in chosen}
+            self._pending_requests = {request.request_id: request for request, _, _ in chosen}
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -345,16 +368,18 @@ class Scheduler:
         Args:
             scheduler_output: The output of the latest `schedule()`.
             sampled_token_ids: For each scheduled request with `needs_sample`, its sampled
-                tokens (usually one); requests aborted since the step was scheduled may be
-                present or not and are ignored.
+                tokens: one, or for a request with drafts its accepted drafts followed by one
+                token; requests aborted since the step was scheduled may be present or not and
+                are ignored.
 
         Returns:
             One RequestOutput per request that got tokens, in scheduling order.
 
         Raises:
             RuntimeError: `scheduler_output` is not the output awaiting its update.
-            ValueError: Tokens are missing for a request that needs a sample, or given for one
-                that does not or was not scheduled; nothing is changed then.
+            ValueError: Tokens are missing for a request that needs a sample, given for one
+                that does not or was not scheduled, or are not its drafts' prefix plus one
+                token; nothing is changed then.
         """
         if scheduler_output is not self._pending_output:
             if scheduler_output.is_empty and not sampled_token_ids:
@@ -362,10 +387,16 @@ class Scheduler:
             raise RuntimeError("this SchedulerOutput is not the one awaiting its update")
         needs_sample = {scheduled.request_id: scheduled.needs_sample
                         for scheduled in scheduler_output.scheduled_requests}
+        drafts = {scheduled.request_id: scheduled.spec_token_ids
+                  for scheduled in scheduler_output.scheduled_requests}
         for request_id, tokens in sampled_token_ids.items():
             if not needs_sample.get(request_id, False) and tokens:
                 raise ValueError(f"request {request_id!r} was not scheduled to sample, "
                                  f"yet got tokens {list(tokens)}")
+            proposed = drafts.get(request_id, [])
+            if proposed and list(tokens[:-1]) != proposed[:len(tokens) - 1]:
+                raise ValueError(f"request {request_id!r}: tokens {list(tokens)} are not a "
+                                 f"prefix of its drafts {proposed} plus one token")
         live = {request_id: request for request_id, request in self._pending_requests.items()
                 if self._requests.get(request_id) is request}
         for request_id, sample in needs_sample.items():
@@ -379,6 +410,11 @@ class Scheduler:
             request = live.get(scheduled.request_id)
             if request is None:
                 continue  # Aborted after this step was scheduled.
+            num_drafts = len(scheduled.spec_token_ids)
+            num_accepted = 0
+            if num_drafts:
+                num_accepted = len(sampled_token_ids[scheduled.request_id]) - 1
+                self._roll_back(request, num_drafts, num_accepted)
             # The step has run, so the blocks its tokens filled hold their keys and values.
             self.kv_cache_manager.cache_full_blocks(request)
             if not scheduled.needs_sample:
@@ -395,26 +431,50 @@ class Scheduler:
                 del self._requests[request.request_id]
                 self.running.remove(request)
                 self._finish(request, status)
-            outputs.append(RequestOutput(request.request_id, new_tokens, status))
+            outputs.append(RequestOutput(request.request_id, new_tokens, status, num_drafts,
+                                         num_accepted))
         return outputs
 
     # ------------------------------------------------------------------ helpers
 
-    def _describe(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
-        """Builds the request's ScheduledRequest and counts its tokens as computed."""
+    def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts that fit the step's remaining budget and its length limits.
+
+        All k drafts accepted emit k + 1 tokens, which must stay within `max_tokens` and
+        `max_model_len` (so every fed position also has a page-table slot).
+        """
+        room = min(budget, request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        return request.spec_token_ids[:max(room, 0)]
+
+    def _roll_back(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Uncounts the rejected drafts and frees the pages that held only them."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.kv_cache_manager.free_excess_blocks(request)
+        request.num_spec_steps += 1
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+
+    def _describe(self, request: Request, num_new_tokens: int,
+                  drafts: list[int]) -> ScheduledRequest:
+        """Builds the request's ScheduledRequest and counts its tokens (and drafts) as
+        computed."""
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        request.num_computed_tokens = end
+        request.num_computed_tokens = end + len(drafts)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
-            positions=list(range(start, end)),
+            token_ids=request.all_token_ids[start:end] + list(drafts),
+            positions=list(range(start, end + len(drafts))),
             block_table=self.kv_cache_manager.get_block_table(request.request_id),
             needs_sample=end == request.num_tokens,
             num_output_tokens=request.num_output_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            spec_token_ids=list(drafts),
+            spec_draft_probs=(request.spec_draft_probs[:len(drafts)]
+                              if drafts and request.spec_draft_probs is not None else None),
         )
 
     def _preempt(self, request: Request) -> None:

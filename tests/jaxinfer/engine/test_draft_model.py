@@ -1,0 +1,149 @@
+"""The draft-model method: greedy output token-identical to reference generation for 64 mixed
+requests (preemption forced, aborts), no leaked pages in either cache, the drafter's rollback
+by length, and (slow) the demo models' sampled tokens distributed as without speculation."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from jaxinfer.config import get_preset
+from jaxinfer.engine.draft_model import DraftSequence
+from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.generate import generate
+from jaxinfer.model_loading import load_model
+from jaxinfer.models import create_model
+
+NEW_TOKENS = 10
+DRAFT = {"method": "draft_model", "model": "tiny-noisy-copy", "num_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(get_preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    """The target with noise on every weight: it agrees with the target often, not always."""
+    noisy = create_model(get_preset("tiny"), seed=0)
+    graphdef, state = nnx.split(noisy)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [leaf + 0.6 * jax.numpy.std(leaf) * jax.random.normal(key, leaf.shape, leaf.dtype)
+              for leaf, key in zip(leaves, keys, strict=True)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    """64 prompts of 1 to 150 tokens and their reference greedy outputs and arrival steps."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.choice([1, 3, 12, 40, 90, 150]))]
+               for _ in range(64)]
+    expected = generate(model, prompts, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+    arrivals = sorted(rng.randrange(0, 40) for _ in prompts)
+    return prompts, expected, arrivals
+
+
+def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, drafter,
+                                                                        workload):
+    prompts, expected, arrivals = workload
+    engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
+                                        max_model_len=256, num_pages=24, speculative=DRAFT),
+                    draft_model=drafter)
+    aborted = {"2": 2, "9": 20, "13": 30, "63": 60}
+    outputs = {str(i): [] for i in range(len(prompts))}
+    pending, step = list(range(len(prompts))), 0
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            index = pending.pop(0)
+            engine.add_request(str(index), prompts[index], SamplingParams(
+                temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                speculative=index % 3 != 0)
+        for request_id, at_step in aborted.items():
+            if at_step == step:
+                engine.abort_request(request_id)
+        for output in engine.step():
+            outputs[output.request_id] = output.outputs[0].token_ids
+        step += 1
+    for index in range(len(prompts)):
+        got = outputs[str(index)]
+        want = expected[index][:len(got)] if str(index) in aborted else expected[index]
+        assert got == want, index
+    assert engine.num_preemptions > 0
+    assert engine.num_free_pages == engine.config.num_pages - 1
+    assert engine.drafter.num_free_pages == engine.config.num_pages - 1
+    stats_ = engine.stats()
+    assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens
+
+
+def test_draft_sequence_rolls_back_to_the_common_prefix():
+    request = Request("r", [1, 2, 3], max_tokens=8)
+    sequence = DraftSequence(request, [1, 2, 3], num_synced=0, num_computed_tokens=0)
+    sequence.sync()
+    assert sequence.num_synced == 3 and sequence.num_computed_tokens == 0
+    sequence.token_ids += [7, 8]  # drafted 7, 8, 9; fed 7 and 8
+    sequence.num_computed_tokens = 5
+    for token in (7, 5):  # the target accepted 7 and corrected 8 to 5
+        request.append_output_token(token)
+    sequence.sync()
+    assert sequence.num_computed_tokens == 4 and sequence.token_ids == [1, 2, 3, 7, 5]
+
+
+def _first_tokens(engine: Engine, prompt: list[int], count: int, params: dict) -> np.ndarray:
+    """`[count, 3]` the first three tokens of `count` seeded requests."""
+    for seed in range(count):
+        engine.add_request(str(seed), prompt, SamplingParams(seed=seed, max_tokens=3,
+                                                             ignore_eos=True, **params))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[int(output.request_id)] = output.outputs[0].token_ids
+    return np.asarray([tokens[seed] for seed in range(count)])
+
+
+def _homogeneity_p_value(first: np.ndarray, second: np.ndarray, min_count: int = 20) -> float:
+    """Chi-square test that two samples of token ids come from one distribution (tokens seen
+    fewer than `min_count` times in both together are pooled into one cell)."""
+    counts = collections.Counter(first.tolist()) + collections.Counter(second.tolist())
+    common = sorted(token for token, count in counts.items() if count >= min_count)
+    table = np.zeros((2, len(common) + 1))
+    for row, sample in enumerate((first, second)):
+        for token in sample.tolist():
+            table[row, common.index(token) if token in common else -1] += 1
+    table = table[:, table.sum(axis=0) > 0]
+    return stats.chi2_contingency(table).pvalue
+
+
+@pytest.mark.slow
+def test_demo_models_sample_the_targets_distribution():
+    """Tokens 2 and 3 (drawn through the drafter and the verifier; token 1 comes from the
+    prefill) against plain sampling of the demo teacher, with temperature and top-k."""
+    teacher = load_model("builtin:demo")
+    prompt = [1, 450, 1051, 1134, 310]
+    options = dict(page_size=16, max_num_batched_tokens=128, max_num_seqs=32, max_model_len=64,
+                   enable_prompt_logprobs=False)
+    params = dict(temperature=0.9, top_k=30)
+    plain = _first_tokens(Engine(teacher, EngineConfig(**options)), prompt, 3000, params)
+    engine = Engine(teacher, EngineConfig(**options, speculative={
+        "method": "draft_model", "model": "builtin:demo-draft", "num_tokens": 3}))
+    speculative = _first_tokens(engine, prompt, 3000, params)
+    assert engine.stats().num_accepted_tokens > 1000
+    assert engine.drafter.num_free_pages == engine.config.num_pages - 1
+    for position in (1, 2):
+        assert _homogeneity_p_value(plain[:, position], speculative[:, position]) > 1e-3
+    # The same test notices a distribution that is only slightly off: the teacher at a
+    # higher temperature.
+    hotter = _first_tokens(Engine(teacher, EngineConfig(**options)), prompt, 3000,
+                           dict(temperature=1.2, top_k=30))
+    assert _homogeneity_p_value(plain[:, 1], hotter[:, 1]) < 1e-3
