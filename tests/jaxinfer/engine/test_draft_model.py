@@ -60,7 +60,8 @@ def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, d
     prompts, expected, arrivals = workload
     engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
                                         max_model_len=256, num_pages=24, speculative=DRAFT,
-                                        enable_prompt_logprobs=False), draft_model=drafter)
+                                        enable_prompt_logprobs=False, bucket_growth=4),
+                    draft_model=drafter)
     engine.warm_up()
     compiled = engine.compilations
     aborted = {"2": 2, "9": 20, "13": 30, "63": 60}

@@ -80,8 +80,10 @@ def _check(engine, workload, aborted=None):
 
 
 def test_ngram_greedy_equals_reference_with_preemption_and_aborts(model, workload):
+    # bucket_growth=4: fewer step programs to compile, the test's main cost.
     engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
-                                        max_model_len=320, num_pages=24, speculative=NGRAM))
+                                        max_model_len=320, num_pages=24, bucket_growth=4,
+                                        speculative=NGRAM))
     # Some aborted mid-prefill, some mid-decode (arrivals run to step 40).
     _check(engine, workload, aborted={"1": 2, "9": 20, "13": 30, "63": 60})
     assert engine.num_preemptions > 0

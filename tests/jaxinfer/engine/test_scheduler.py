@@ -21,7 +21,8 @@ from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfi
 
 VOCAB = 97
 ENGINE_DIR = pathlib.Path(jaxinfer.engine.__file__).parent
-HOST_MODULES = ("__init__", "block_pool", "kv_cache_manager", "request", "scheduler")
+HOST_MODULES = ("__init__", "block_pool", "kv_cache_manager", "request", "scheduler",
+                "speculative")
 
 
 def next_token(context):
@@ -504,6 +505,133 @@ def test_random_arrivals_lengths_and_aborts_lose_nothing(seed, enable_prefix_cac
         assert request.status is RequestStatus.FINISHED_ABORTED
     assert not scheduler.waiting and not scheduler.running
     assert _pool_is_full(scheduler)
+
+
+# ---------------------------------------------------------------------- speculative decoding
+
+
+def verify_like_a_target(model, scheduler_output):
+    """Runs the step on the paged fake model and verifies drafts greedily: the fake model's
+    token at each fed position (read back from the pages) is compared with the next draft."""
+    sampled = model.execute(scheduler_output)
+    for scheduled in scheduler_output.scheduled_requests:
+        drafts = scheduled.spec_token_ids
+        if not drafts:
+            continue
+        first = scheduled.context_length - len(drafts) - 1  # the last known token's position
+        emitted = []
+        for index in range(len(drafts) + 1):
+            context = [model.pages[scheduled.block_table[position // model.block_size]]
+                       [position % model.block_size] for position in range(first + index + 1)]
+            token = next_token(context)
+            emitted.append(token)
+            if index == len(drafts) or drafts[index] != token:
+                break
+        sampled[scheduled.request_id] = emitted
+    return sampled
+
+
+@pytest.mark.parametrize(("seed", "enable_prefix_caching"), [(0, True), (1, False), (2, True)])
+def test_speculative_drafts_roll_back_and_lose_nothing(seed, enable_prefix_caching):
+    """Drafts that are partly right, a small pool (preemption) and aborts: every request still
+    gets the reference output, rejected drafts never land in a cached block (the fake model
+    asserts), tables shrink back after rejections, and no page leaks."""
+    rng = random.Random(seed)
+    max_model_len = 40
+    scheduler = make_scheduler(max_num_batched_tokens=rng.choice([8, 16]), max_num_seqs=5,
+                               block_size=rng.choice([2, 4]), num_blocks=30,
+                               max_model_len=max_model_len,
+                               enable_prefix_caching=enable_prefix_caching)
+    model = PagedFakeModel(scheduler)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 12))] for _ in range(2)]
+    pending = random_requests(rng, 40, max_model_len, prefixes=prefixes)
+    added, aborted = {}, set()
+    drafted = accepted = 0
+    steps = 0
+    while pending or scheduler.has_unfinished_requests():
+        steps += 1
+        assert steps < 5000, "the scheduler stopped making progress"
+        if pending and rng.random() < 0.5:
+            request = pending.pop(0)
+            added[request.request_id] = request
+            scheduler.add_request(request)
+        if rng.random() < 0.03 and scheduler.running:
+            victim = rng.choice(scheduler.running).request_id
+            assert scheduler.abort_request(victim)
+            aborted.add(victim)
+        for request in scheduler.running:
+            # The true continuation, with each draft corrupted 30% of the time.
+            context, drafts = list(request.all_token_ids), []
+            for _ in range(rng.randint(0, 4)):
+                token = next_token(context)
+                context.append(token)
+                drafts.append(token if rng.random() < 0.7 else (token + 1) % VOCAB)
+            request.spec_token_ids = drafts
+        scheduler_output = scheduler.schedule()
+        check_invariants(scheduler, scheduler_output)
+        for scheduled in scheduler_output.scheduled_requests:
+            assert scheduled.token_ids[len(scheduled.token_ids) - len(scheduled.spec_token_ids):] \
+                == scheduled.spec_token_ids
+        sampled = verify_like_a_target(model, scheduler_output)
+        for output in scheduler.update_from_output(scheduler_output, sampled):
+            drafted += output.num_draft_tokens
+            accepted += output.num_accepted_tokens
+        # After the rollback, each table covers exactly the computed tokens again.
+        for request in scheduler.running:
+            table = scheduler.kv_cache_manager.get_block_table(request.request_id)
+            assert len(table) == -(-request.num_computed_tokens // scheduler.config.block_size)
+    assert 0 < accepted < drafted
+    for request_id, request in added.items():
+        expected, _ = reference_outputs(request.prompt_token_ids, request.max_tokens,
+                                        max_model_len, request.eos_token_ids)
+        if request_id in aborted:
+            assert request.output_token_ids == expected[:request.num_output_tokens]
+        else:
+            assert request.output_token_ids == expected
+            assert request.num_output_tokens <= request.max_tokens
+    assert _pool_is_full(scheduler)
+
+
+def _step(scheduler, token=5):
+    """One step in which every request that needs a sample gets `token` (drafts rejected)."""
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, {scheduled.request_id: [token] for scheduled in
+                                          output.scheduled_requests if scheduled.needs_sample})
+    return output
+
+
+def test_drafts_are_trimmed_by_budget_max_tokens_and_length():
+    scheduler = make_scheduler(max_num_batched_tokens=4, max_num_seqs=2, block_size=4,
+                               max_model_len=12)
+    short = Request("short", [1, 2, 3], max_tokens=3)
+    scheduler.add_request(short)
+    _step(scheduler)
+    short.spec_token_ids = [6, 7, 8, 9]
+    output = scheduler.schedule()
+    (scheduled,) = output.scheduled_requests
+    # max_tokens 3 with one output: at most 2 more tokens, so 1 draft (+ 1 token).
+    assert scheduled.spec_token_ids == [6] and scheduled.token_ids == [5, 6]
+    assert scheduled.positions == [3, 4] and scheduled.needs_sample
+    (result,) = scheduler.update_from_output(output, {"short": [6, 4]})
+    assert result.finished and result.new_token_ids == [6, 4] and result.num_accepted_tokens == 1
+    assert _pool_is_full(scheduler)
+
+    near_end = Request("long", list(range(1, 11)), max_tokens=10)  # max_model_len 12
+    other = Request("other", [1], max_tokens=10)
+    scheduler.add_request(near_end)
+    scheduler.add_request(other)
+    while near_end.num_output_tokens == 0 or other.num_output_tokens == 0:
+        _step(scheduler)
+    near_end.spec_token_ids = other.spec_token_ids = [6, 7, 8]
+    by_id = {scheduled.request_id: scheduled
+             for scheduled in _step(scheduler).scheduled_requests}
+    # 11 tokens known, max_model_len 12: no room for a draft (it would emit 2 tokens).
+    assert by_id["long"].spec_token_ids == []
+    # The budget of 4 has 3 left after "long"'s one token: "other" gets 1 + 2 drafts.
+    assert by_id["other"].spec_token_ids == [6, 7]
+    # All rejected: back to one computed token short of the known ones, pages trimmed.
+    assert other.num_computed_tokens == other.num_tokens - 1
+    assert len(scheduler.kv_cache_manager.get_block_table("other")) == 1
 
 
 # ---------------------------------------------------------------------- no jax
