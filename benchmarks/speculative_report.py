@@ -57,11 +57,12 @@ METHODS = {
 
 
 def copy_prompts(tokenizer) -> list[list[int]]:
-    """Each passage, a blank line, then its first sentence again: the continuation copies."""
+    """Each passage twice, then its first sentence again: a request to repeat the passage
+    once more, which the continuation does by copying."""
     prompts = []
     for passage in PASSAGES:
         opening = passage.split(". ")[0] + "."
-        prompts.append(tokenizer.encode(f"{passage}\n\n{opening}"))
+        prompts.append(tokenizer.encode(f"{passage}\n\n{passage}\n\n{opening}"))
     return prompts * 2  # 8 requests
 
 
@@ -74,6 +75,8 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, temperature: float
         output_len: int) -> dict:
     """Generates `output_len` tokens per prompt, `batch` requests at a time."""
     steps_before, spec_before = engine.num_steps, engine.stats()
+    drafter = engine.drafter
+    draft_before = (drafter.num_steps, drafter.seconds) if drafter else (0, 0.0)
     tokens: dict[int, list[int]] = {}
     started = time.perf_counter()
     for first in range(0, len(prompts), batch):
@@ -90,8 +93,14 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, temperature: float
     accepted = stats.num_accepted_tokens - spec_before.num_accepted_tokens
     spec_steps = stats.num_spec_steps - spec_before.num_spec_steps
     generated = sum(len(ids) for ids in tokens.values())
-    return {"seconds": elapsed, "tokens": [tokens[i] for i in range(len(prompts))],
-            "tok_per_s": generated / elapsed, "steps": engine.num_steps - steps_before,
+    steps = engine.num_steps - steps_before
+    draft_steps, draft_seconds = ((drafter.num_steps - draft_before[0],
+                                   drafter.seconds - draft_before[1]) if drafter else (0, 0.0))
+    return {"ms_per_target_step": 1000 * (elapsed - draft_seconds) / steps,
+            "draft_ms_per_target_step": 1000 * draft_seconds / steps,
+            "draft_steps": draft_steps, "seconds": elapsed,
+            "tokens": [tokens[i] for i in range(len(prompts))],
+            "tok_per_s": generated / elapsed, "steps": steps,
             "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else 0.0,
             "tokens_per_target_step": 1 + accepted / spec_steps if spec_steps else 1.0}
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     teacher = load_model("builtin:demo")
     tokenizer = load_tokenizer(resolve_model_path("builtin:demo"))
     options = dict(page_size=16, max_num_batched_tokens=128, max_num_seqs=8,
-                   max_model_len=256, enable_prompt_logprobs=False,
+                   max_model_len=320, enable_prompt_logprobs=False,
                    enable_prefix_caching=False)
     engines = {}
     for name, speculative in METHODS.items():
@@ -161,19 +170,25 @@ def write_report(args: argparse.Namespace, rows: list, mismatches: list, compila
         "distilled). n-gram: prompt lookup, k = 4, suffixes of 3 down to 1 tokens. "
         f"{args.output_len} output tokens per request (EOS ignored); batch 1 runs "
         f"{args.batch_1_prompts} requests one after another, batch 8 runs 8 at once. "
-        "Copy-heavy prompts are a passage followed by its first sentence again; open-ended "
-        "prompts are a few words. Temperature 0.8 requests are seeded. tok/s is end to end "
+        "Copy-heavy prompts are a passage twice, then its first sentence again (so the "
+        "continuation repeats the passage); open-ended prompts are a few words. "
+        "Temperature 0.8 requests are seeded. tok/s is end to end "
         "(prefill included, the same work for every method), best of "
-        f"{args.repeats} interleaved runs.",
+        f"{args.repeats} interleaved runs. ms / target step is the wall time outside the "
+        "drafter per target step (scheduling, the step, verification); draft ms / target step "
+        "is the drafter's (k = 3 drafter steps per target step, plus catch-up).",
         "",
         "| prompts | batch | temperature | method | acceptance rate | tokens / target step "
-        "| target steps | output tok/s | speed-up |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| target steps | ms / target step | draft ms / target step | output tok/s "
+        "| speed-up |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for workload, batch, temperature, name, result, speed_up in rows:
         acceptance = "" if name == "plain" else f"{result['acceptance']:.2f}"
         lines.append(f"| {workload} | {batch} | {temperature} | {name} | {acceptance} | "
                      f"{result['tokens_per_target_step']:.2f} | {result['steps']} | "
+                     f"{result['ms_per_target_step']:.1f} | "
+                     f"{result['draft_ms_per_target_step']:.1f} | "
                      f"{result['tok_per_s']:.1f} | {speed_up:.2f}x |")
     lines += ["", "Greedy (temperature 0) speculative outputs token-identical to plain: "
               + ("yes, every row" if not mismatches else f"NO: {mismatches}") + ".",

@@ -23,6 +23,7 @@ verifier's coins, which exactness needs.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -84,6 +85,10 @@ class DraftModelProposer:
         model: The drafter; it must share the target's vocabulary.
         target_config: The target runner's config (pages, buckets, lengths are reused).
         num_tokens: k.
+
+    Attributes:
+        num_steps: Drafter device steps run so far (the draft cost, in steps).
+        seconds: Wall seconds spent proposing (the draft cost, in time).
     """
 
     def __init__(self, model: Transformer, target_config: RunnerConfig, num_tokens: int) -> None:
@@ -95,6 +100,8 @@ class DraftModelProposer:
         self.kv_cache_manager = KVCacheManager(self.config.num_pages, self.config.page_size,
                                                enable_prefix_caching=False)
         self._sequences: dict[str, DraftSequence] = {}
+        self.num_steps = 0
+        self.seconds = 0.0
 
     @property
     def num_free_pages(self) -> int:
@@ -118,6 +125,11 @@ class DraftModelProposer:
         A request gets fewer than k drafts near its `max_tokens` or `max_model_len`, and none
         when the drafter's pool has no room for it this step.
         """
+        started = time.perf_counter()
+        self._propose(requests, max_model_len)
+        self.seconds += time.perf_counter() - started
+
+    def _propose(self, requests: Sequence[Request], max_model_len: int) -> None:
         wanted: dict[str, int] = {}
         work: list[tuple[DraftSequence, list[int]]] = []
         for request in requests:
@@ -184,6 +196,7 @@ class DraftModelProposer:
             if not batch:
                 break
             sampled.update(self.runner.execute(batch).sampled)
+            self.num_steps += 1
             queue = rest
         return sampled
 

@@ -35,6 +35,7 @@ from flax import nnx
 from jaxinfer.engine.sampler import (
     SamplingArrays,
     build_sampling_arrays,
+    greedy_rows,
     prompt_logprobs,
     prompt_top_logprobs,
     sample_tokens,
@@ -139,7 +140,8 @@ class SampledToken:
             `max_logprobs`; empty when no request of the step asked for logprobs).
         top_logprobs: `[K]` their log-probabilities.
         probabilities: `[V]` the distribution the token was drawn from (after temperature,
-            min_p, top-k and top-p), with `return_probabilities`; else None.
+            min_p, top-k and top-p), with `return_probabilities`; else None. Zeros when the
+            whole step was greedy (greedy drafts are verified by argmax, not by q).
     """
 
     token_id: int
@@ -253,7 +255,11 @@ class ModelRunner:
             lambda: _without_top(with_top(0)(), self.config.max_logprobs))
         result.update(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_values)
         if self.config.return_probabilities:
-            result["probabilities"] = sampling_probabilities(logits, sampling)  # [S, V]
+            # Greedy drafts are verified by argmax alone, so an all-greedy batch skips the
+            # [S, V] sorts of top-k/top-p.
+            result["probabilities"] = jax.lax.cond(
+                jnp.all(greedy_rows(sampling)), lambda: jnp.zeros(logits.shape, jnp.float32),
+                lambda: sampling_probabilities(logits, sampling))  # [S, V]
         if self.config.num_speculative_tokens:
             verification = self._verify(model, hidden, last_token_index, sampling, keys,
                                         draft_token_ids, num_draft_tokens, draft_probs)

@@ -62,8 +62,6 @@ def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, d
                                         max_model_len=256, num_pages=24, speculative=DRAFT,
                                         enable_prompt_logprobs=False, bucket_growth=4),
                     draft_model=drafter)
-    engine.warm_up()
-    compiled = engine.compilations
     aborted = {"2": 2, "9": 20, "13": 30, "63": 60}
     outputs = {str(i): [] for i in range(len(prompts))}
     pending, step = list(range(len(prompts))), 0
@@ -88,7 +86,25 @@ def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, d
     assert engine.drafter.num_free_pages == engine.config.num_pages - 1
     stats_ = engine.stats()
     assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens
+
+
+def test_draft_model_compiles_nothing_after_warm_up(model, drafter):
+    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=16, max_num_seqs=2,
+                                        max_model_len=128, enable_prompt_logprobs=False,
+                                        bucket_growth=4, speculative=DRAFT),
+                    draft_model=drafter)
+    engine.warm_up()
+    compiled = engine.compilations
+    engine.add_request("greedy", list(range(5, 45)), SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True))
+    engine.add_request("sampled", list(range(9, 20)), SamplingParams(
+        temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                assert output.speculative.num_draft_tokens > 0
     assert engine.compilations == compiled  # neither the target nor the drafter recompiled
+    assert engine.drafter.num_free_pages == engine.config.num_pages - 1
 
 
 def test_draft_sequence_rolls_back_to_the_common_prefix():
