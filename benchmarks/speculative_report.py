@@ -78,6 +78,7 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, temperature: float
     drafter = engine.drafter
     draft_before = (drafter.num_steps, drafter.seconds) if drafter else (0, 0.0)
     tokens: dict[int, list[int]] = {}
+    request_steps = 0  # (request, target step) pairs that emitted tokens
     started = time.perf_counter()
     for first in range(0, len(prompts), batch):
         for index in range(first, min(first + batch, len(prompts))):
@@ -85,6 +86,7 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, temperature: float
                 temperature=temperature, seed=index, max_tokens=output_len, ignore_eos=True))
         while engine.has_unfinished_requests():
             for output in engine.step():
+                request_steps += 1
                 if output.finished:
                     tokens[int(output.request_id)] = output.outputs[0].token_ids
     elapsed = time.perf_counter() - started
@@ -103,7 +105,8 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, temperature: float
             "tok_per_s": generated / elapsed, "steps": steps,
             "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else 0.0,
-            "tokens_per_target_step": 1 + accepted / spec_steps if spec_steps else 1.0}
+            "tokens_per_target_step": generated / request_steps,
+            "mean_accepted_length": accepted / spec_steps if spec_steps else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,16 +179,22 @@ def write_report(args: argparse.Namespace, rows: list, mismatches: list, compila
         "(prefill included, the same work for every method), best of "
         f"{args.repeats} interleaved runs. ms / target step is the wall time outside the "
         "drafter per target step (scheduling, the step, verification); draft ms / target step "
-        "is the drafter's (k = 3 drafter steps per target step, plus catch-up).",
+        "is the drafter's (k = 3 drafter steps per target step, plus catch-up). Acceptance "
+        "rate: accepted over drafted tokens; mean accepted length: accepted drafts per "
+        "verification that had drafts; tokens / target step: output tokens per (request, "
+        "target step) that emitted any, so steps where prompt lookup found no match count "
+        "too (the prefill step that emits a request's first token is included).",
         "",
-        "| prompts | batch | temperature | method | acceptance rate | tokens / target step "
-        "| target steps | ms / target step | draft ms / target step | output tok/s "
-        "| speed-up |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompts | batch | temperature | method | acceptance rate | mean accepted length "
+        "| tokens / target step | target steps | ms / target step | draft ms / target step "
+        "| output tok/s | speed-up |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for workload, batch, temperature, name, result, speed_up in rows:
-        acceptance = "" if name == "plain" else f"{result['acceptance']:.2f}"
+        acceptance, accepted_length = ("", "") if name == "plain" else (
+            f"{result['acceptance']:.2f}", f"{result['mean_accepted_length']:.2f}")
         lines.append(f"| {workload} | {batch} | {temperature} | {name} | {acceptance} | "
+                     f"{accepted_length} | "
                      f"{result['tokens_per_target_step']:.2f} | {result['steps']} | "
                      f"{result['ms_per_target_step']:.1f} | "
                      f"{result['draft_ms_per_target_step']:.1f} | "

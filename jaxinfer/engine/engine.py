@@ -22,7 +22,10 @@ exact speculative sampling in the same ragged step, and the scheduler keeps the 
 and rolls back the rest. A request speculates unless it opts out (`speculative=False`) or asks
 for something that changes per position or needs per-token results: logprobs, prompt
 logprobs, repetition/frequency/presence penalties; it drafts nothing while min_tokens still
-holds stop tokens back. Speculating and plain requests share every batch.
+holds stop tokens back. Speculating and plain requests share every batch. A seeded speculating
+request samples exactly from the target's distribution and repeats itself when run the same
+way, but its draws depend on which drafts were verified, so (unlike a plain seeded request) its
+tokens can change when a crowded batch's token budget trims its drafts.
 
 A request with `n > 1` becomes n scheduler requests ("ID#0", "ID#1", ...). With prefix caching
 on, the first one runs alone until its prompt is computed, and the others are admitted after
