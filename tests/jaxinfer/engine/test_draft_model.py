@@ -89,10 +89,10 @@ def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, d
 
 
 def test_draft_model_compiles_nothing_after_warm_up(model, drafter):
-    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=16, max_num_seqs=2,
+    # One token bucket and one sequence bucket: two programs to compile, the test's cost.
+    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=8, max_num_seqs=1,
                                         max_model_len=128, enable_prompt_logprobs=False,
-                                        bucket_growth=4, speculative=DRAFT),
-                    draft_model=drafter)
+                                        speculative=DRAFT), draft_model=drafter)
     engine.warm_up()
     compiled = engine.compilations
     engine.add_request("greedy", list(range(5, 45)), SamplingParams(
