@@ -115,3 +115,29 @@ def test_compare_hf_without_transformers_is_a_clear_error(monkeypatch, capsys):
 def test_size_flags_need_a_random_model(capsys):
     assert main(["bench", "throughput", "--model", "builtin:demo", "--num-layers", "2"]) == 2
     assert "only apply to random:PRESET" in capsys.readouterr().err
+
+
+def test_cli_speculative_reports_acceptance(tmp_path, capsys):
+    json_path = tmp_path / "out.json"
+    argv = ["bench", "throughput", "--model", "random:tiny", "--num-prompts", "2",
+            "--input-len-range", "12", "--output-len", "8", *SMALL_ENGINE,
+            "--speculative", '{"method": "ngram", "num_tokens": 2, "max_ngram": 2}',
+            "--output-json", str(json_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    numbers = json.loads(json_path.read_text())
+    spec = numbers["speculative"]
+    assert numbers["engine"]["compilations_during_run"] == 0
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert numbers["engine_settings"]["speculative"]["method"] == "ngram"
+    assert f"{spec['num_draft_tokens']} drafted" in printed
+
+
+def test_cli_rejects_bad_speculative_options(capsys):
+    with pytest.raises(SystemExit) as exited:  # argparse rejects it while parsing
+        main(["bench", "throughput", "--speculative", "[1]"])
+    assert exited.value.code == 2
+    assert "--speculative must be a JSON object" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--model", "random:tiny", *SMALL_ENGINE,
+                 "--speculative", '{"method": "medusa", "num_tokens": 2}']) == 2
+    assert "must be one of" in capsys.readouterr().err
