@@ -12,8 +12,11 @@ Each engine step, for the decoding requests, the drafter
 2. catches up on the request's tokens it has not computed (the whole prompt the first time,
    chunked by the token budget; afterwards the target's correction or bonus token);
 3. draws x_1 from the last position with the request's own sampling parameters (so q gets the
-   same temperature/top-k/top-p transform as the target's p), then feeds x_j to draw x_{j+1},
-   batched over every drafting request, k steps in all.
+   same temperature/top-k/top-p transform as the target's p), then feeds x_j to draw x_{j+1}
+   for j = 1 .. k - 1 in one jitted call (`decode_loop`: k - 1 one-token steps over the
+   drafter's paged cache, slots computed on device from the page tables, batched over every
+   drafting request and bucketed by sequence count), since a separate dispatch per draft
+   would cost about as much as the target step it saves.
 
 Drafter keys never repeat: each draw uses the request's seed salted for the drafter and a
 per-request draw counter, so a draft is independent of every earlier draft and of the
@@ -23,16 +26,28 @@ verifier's coins, which exactness needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.runner import ModelRunner, RunnerConfig, SampledToken
+from jaxinfer.engine.runner import ModelRunner, RunnerConfig, SampledToken, _bucket
+from jaxinfer.engine.sampler import (
+    SamplingArrays,
+    build_sampling_arrays,
+    greedy_rows,
+    sample_tokens,
+)
+from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import ScheduledRequest
-from jaxinfer.models import Transformer
+from jaxinfer.engine.spec_decode import sampling_probabilities
+from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
 
 # Mixed into a request's seed so the drafter's stream differs from the verifier's.
 _DRAFT_SEED_SALT = 0x5EED_D4AF
@@ -102,6 +117,12 @@ class DraftModelProposer:
         self._sequences: dict[str, DraftSequence] = {}
         self.num_steps = 0
         self.seconds = 0.0
+        self._decode = jax.jit(self._decode_loop, donate_argnums=(1,))
+
+    @property
+    def compilations(self) -> int:
+        """Drafter programs compiled so far (constant after `warm_up`)."""
+        return self.runner.compilations + self._decode._cache_size()
 
     @property
     def num_free_pages(self) -> int:
@@ -109,8 +130,13 @@ class DraftModelProposer:
         return self.kv_cache_manager.num_free_blocks
 
     def warm_up(self) -> float:
-        """Compiles the drafter's steps; returns seconds."""
-        return self.runner.warm_up()
+        """Compiles the drafter's steps and decode loops; returns seconds."""
+        started = time.perf_counter()
+        self.runner.warm_up()
+        if self.num_tokens > 1:
+            for num_seqs in self.config.sequence_buckets:
+                self._run_decode([], num_seqs)
+        return time.perf_counter() - started
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Frees the drafter pages of requests that finished or were aborted."""
@@ -142,26 +168,24 @@ class DraftModelProposer:
             self.kv_cache_manager.free_excess_blocks(sequence)  # type: ignore[arg-type]
             wanted[request.request_id] = count
             work.append((sequence, sequence.token_ids[sequence.num_computed_tokens:]))
-        drafts: dict[str, list[int]] = {request_id: [] for request_id in wanted}
-        probs: dict[str, list[np.ndarray]] = {request_id: [] for request_id in wanted}
         by_id = {sequence.request_id: sequence for sequence, _ in work}
-        for _ in range(self.num_tokens):
-            sampled = self._feed(work)
-            work = []
-            for request_id, token in sampled.items():
-                drafts[request_id].append(token.token_id)
-                probs[request_id].append(token.probabilities)
-                if len(drafts[request_id]) < wanted[request_id]:
-                    sequence = by_id[request_id]
-                    sequence.token_ids.append(token.token_id)
-                    work.append((sequence, [token.token_id]))
-            if not work:
-                break
+        first = self._feed(work)  # x_1 of every sequence that caught up
+        longer = []
+        for request_id, token in first.items():
+            sequence = by_id[request_id]
+            count = wanted[request_id] - 1
+            # Pages for x_1 .. x_{count}, fed by the decode loop; none left: x_1 only.
+            if count and self.kv_cache_manager.allocate_slots(
+                    sequence, count, num_lookahead_tokens=count) is not None:  # type: ignore[arg-type]
+                longer.append((sequence, token.token_id, count))
+        later = self._decode_all(longer)
         for request in requests:
-            request_drafts = drafts.get(request.request_id)
-            if request_drafts:
-                request.spec_token_ids = request_drafts
-                request.spec_draft_probs = np.stack(probs[request.request_id])  # [k, V]
+            token = first.get(request.request_id)
+            if token is None:
+                continue
+            more_tokens, more_probs = later.get(request.request_id, ([], []))
+            request.spec_token_ids = [token.token_id, *more_tokens]
+            request.spec_draft_probs = np.stack([token.probabilities, *more_probs])  # [k, V]
 
     def _sequence(self, request: Request) -> DraftSequence:
         sequence = self._sequences.get(request.request_id)
@@ -200,18 +224,112 @@ class DraftModelProposer:
             queue = rest
         return sampled
 
+    def _decode_all(self, work: list[tuple[DraftSequence, int, int]]
+                    ) -> dict[str, tuple[list[int], list[np.ndarray]]]:
+        """Feeds each sequence's x_1 and draws x_2 .. x_{count + 1} in one device call.
+
+        Args:
+            work: (sequence, x_1, count) per sequence, its pages already allocated for count
+                more tokens.
+
+        Returns:
+            Per request id, its `count` further drafts and their `[V]` distributions.
+        """
+        if not work:
+            return {}
+        num_seqs = _bucket(len(work), self.config.sequence_buckets)
+        tokens, probs = self._run_decode(work, num_seqs)
+        result = {}
+        for row, (sequence, first, count) in enumerate(work):
+            drawn = tokens[row, :count].tolist()
+            sequence.token_ids += [first, *drawn[:-1]]
+            sequence.num_computed_tokens += count
+            sequence.num_draws += count
+            result[sequence.request_id] = (drawn, list(probs[row, :count]))
+        self.num_steps += 1
+        return result
+
+    def _run_decode(self, work: list[tuple[DraftSequence, int, int]],
+                    num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+        """Packs the decode loop's `[S]` rows (padding rows write nothing) and runs it."""
+        config = self.config
+        first_tokens = np.zeros(num_seqs, np.int32)  # [S]
+        positions = np.zeros(num_seqs, np.int32)  # [S] position of x_1
+        counts = np.zeros(num_seqs, np.int32)  # [S] tokens to feed (x_1 .. x_count)
+        page_indices = np.zeros((num_seqs, config.pages_per_sequence), np.int32)  # [S, P/S]
+        seeds = np.zeros(num_seqs, np.uint32)  # [S]
+        draw_index = np.zeros(num_seqs, np.int32)  # [S]
+        params = []
+        for row, (sequence, first, count) in enumerate(work):
+            table = self.kv_cache_manager.get_block_table(sequence.request_id)
+            first_tokens[row], positions[row], counts[row] = first, sequence.num_tokens, count
+            page_indices[row, :len(table)] = table
+            draft_params = _draft_params(sequence.request)
+            params.append(draft_params)
+            seeds[row] = draft_params.seed if draft_params is not None else 0
+            draw_index[row] = sequence.num_draws
+        sampling = build_sampling_arrays(
+            params, self.runner.model_config.vocab_size,
+            prompt_token_ids=[sequence.request.prompt_token_ids for sequence, _, _ in work],
+            output_token_ids=[()] * len(work), batch_size=num_seqs)
+        self.runner.pages, tokens, probs = self._decode(
+            self.runner.state, self.runner.pages, first_tokens, positions, counts,
+            page_indices, np.asarray([len(work)], np.int32), sampling, seeds, draw_index)
+        return jax.device_get((tokens, probs))
+
+    def _decode_loop(self, state: nnx.State, pages: tuple[jax.Array, ...],
+                     first_tokens: jax.Array, positions: jax.Array, counts: jax.Array,
+                     page_indices: jax.Array, num_seqs: jax.Array, sampling: SamplingArrays,
+                     seeds: jax.Array, draw_index: jax.Array
+                     ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+        """k - 1 one-token drafter steps on device: feed x_j at its position, draw x_{j+1}.
+
+        Rows past `counts` (or past `num_seqs`) keep computing but write no page slot, so
+        every row has the same shapes and the loop compiles once per sequence bucket.
+
+        Returns:
+            The updated pages, `[S, k - 1]` drawn tokens and `[S, k - 1, V]` their
+            distributions (zeros when every row is greedy).
+        """
+        model = nnx.merge(self.runner.graphdef, state)
+        rows = first_tokens.shape[0]
+        page_size = self.config.page_size
+        real = jnp.arange(rows) < num_seqs[0]  # [S]
+        cu_q_lens = jnp.minimum(jnp.arange(rows + 1), num_seqs[0]).astype(jnp.int32)  # [S+1]
+        token = first_tokens  # [S]
+        drawn, distributions = [], []
+        for step in range(self.num_tokens - 1):
+            position = positions + step  # [S]
+            writes = real & (step < counts)  # [S]
+            page = jnp.take_along_axis(
+                page_indices, jnp.minimum(position // page_size,
+                                          page_indices.shape[1] - 1)[:, None], axis=1)[:, 0]
+            slots = jnp.where(writes, page * page_size + position % page_size, -1)  # [S]
+            kv_lens = jnp.where(real, position + 1, 0).astype(jnp.int32)  # [S]
+            batch = PagedBatch(slots.astype(jnp.int32), kv_lens, page_indices, cu_q_lens,
+                               num_seqs)
+            hidden, cache = model.hidden_states(token[None], position[None],
+                                                PagedKVCache(pages, batch))  # [1, S, D]
+            pages = cache.layers
+            logits = model.logits(hidden)[0]  # [S, V]
+            keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed),
+                                                                   index))(
+                seeds, draw_index + step)  # [S]
+            token = sample_tokens(logits, keys, sampling)[0]  # [S]
+            drawn.append(token)
+            distributions.append(jax.lax.cond(
+                jnp.all(greedy_rows(sampling)),
+                functools.partial(jnp.zeros, logits.shape, jnp.float32),
+                functools.partial(sampling_probabilities, logits, sampling)))  # [S, V]
+        return pages, jnp.stack(drawn, axis=1), jnp.stack(distributions, axis=1)
+
     def _describe(self, sequence: DraftSequence, chunk: list[int],
                   needs_sample: bool) -> ScheduledRequest:
         """The drafter step's entry for one sequence; counts the chunk as computed."""
         start = sequence.num_computed_tokens
         sequence.num_computed_tokens += len(chunk)
         request = sequence.request
-        params = request.sampling_params
-        seed = params.seed if params is not None and params.seed is not None else hash(
-            request.request_id)
-        draft_params = None if params is None else dataclasses.replace(
-            params, seed=(seed ^ _DRAFT_SEED_SALT) % (2 ** 32),
-            min_tokens=0)  # the engine drafts only once min_tokens no longer applies
+        draft_params = _draft_params(request)
         index = sequence.num_draws
         if needs_sample:
             sequence.num_draws += 1
@@ -221,3 +339,14 @@ class DraftModelProposer:
             block_table=self.kv_cache_manager.get_block_table(request.request_id),
             needs_sample=needs_sample, num_output_tokens=index, sampling_params=draft_params,
             prompt_token_ids=request.prompt_token_ids, output_token_ids=())
+
+
+def _draft_params(request: Request) -> SamplingParams | None:
+    """The request's sampling parameters with the drafter's own seed (salted, so its stream
+    differs from the verifier's) and no min_tokens (the engine drafts only once it no longer
+    applies)."""
+    params = request.sampling_params
+    if params is None:
+        return None
+    seed = params.seed if params.seed is not None else hash(request.request_id)
+    return dataclasses.replace(params, seed=(seed ^ _DRAFT_SEED_SALT) % (2 ** 32), min_tokens=0)

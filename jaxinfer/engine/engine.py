@@ -310,7 +310,7 @@ class Engine:
     def compilations(self) -> int:
         """Programs compiled so far, the drafter's included (constant after `warm_up`)."""
         return self.runner.compilations + (
-            self.drafter.runner.compilations if self.drafter is not None else 0)
+            self.drafter.compilations if self.drafter is not None else 0)
 
     # ------------------------------------------------------------------ requests
 

@@ -107,6 +107,31 @@ def test_draft_model_compiles_nothing_after_warm_up(model, drafter):
     assert engine.drafter.num_free_pages == engine.config.num_pages - 1
 
 
+def test_greedy_drafts_are_the_drafters_own_greedy_continuation(drafter):
+    """The proposer (catch-up step, then the on-device decode loop) against reference
+    generation with the drafter, across a rollback: an accepted draft, then a correction."""
+    from jaxinfer.engine.draft_model import DraftModelProposer
+    from jaxinfer.engine.runner import RunnerConfig
+
+    proposer = DraftModelProposer(drafter, RunnerConfig(
+        num_pages=40, page_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+        max_model_len=64, enable_prompt_logprobs=False), num_tokens=3)
+    rng = random.Random(5)
+    requests = [Request(str(index), [rng.randrange(3, 512) for _ in range(length)],
+                        SamplingParams(temperature=0.0), max_tokens=30)
+                for index, length in enumerate((1, 7, 21))]
+    for round_ in range(3):
+        proposer.propose(requests, max_model_len=64)
+        expected = generate(drafter, [request.all_token_ids for request in requests],
+                            max_new_tokens=3, eos_token_ids=())
+        assert [request.spec_token_ids for request in requests] == expected, round_
+        for request in requests:  # the target accepts the first draft, then corrects
+            request.append_output_token(request.spec_token_ids[0])
+            request.append_output_token((request.spec_token_ids[1] + 1) % 512)
+    proposer.release([request.request_id for request in requests])
+    assert proposer.num_free_pages == 39
+
+
 def test_draft_sequence_rolls_back_to_the_common_prefix():
     request = Request("r", [1, 2, 3], max_tokens=8)
     sequence = DraftSequence(request, [1, 2, 3], num_synced=0, num_computed_tokens=0)
