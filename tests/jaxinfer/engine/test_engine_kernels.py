@@ -1,10 +1,13 @@
 """The engine with its kernels forced through Pallas (TPU interpret mode) gives the greedy
-tokens of the default XLA paths: a short run of the `tiny` preset, decodes, prefills and
-chunked prefills mixed in the same steps."""
+tokens of the default XLA paths: a short run of the `tiny` preset (attention) and of
+`tiny-moe` (attention and the MoE grouped matmuls), decodes, prefills and chunked prefills
+mixed in the same steps."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from jaxinfer.config import get_preset
 from jaxinfer.engine.engine import Engine, EngineConfig
@@ -29,8 +32,9 @@ def _greedy_run(model, prompts):
     return [outputs[str(index)] for index in range(len(prompts))]
 
 
-def test_engine_through_the_interpreted_kernels_equals_the_xla_paths():
-    model = create_model(get_preset("tiny"), seed=0)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_engine_through_the_interpreted_kernels_equals_the_xla_paths(preset):
+    model = create_model(get_preset(preset), seed=0)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(length)] for length in (1, 9, 40, 3)]
     expected = _greedy_run(model, prompts)
