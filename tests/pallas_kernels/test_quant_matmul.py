@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import dispatch
 from pallas_kernels.quant_matmul import (
@@ -22,8 +21,8 @@ from pallas_kernels.quant_matmul import (
     reference,
     tuning,
 )
+from tests.pallas_kernels.interpret import INTERPRET
 
-INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 BLOCKS = {"block_m": 32, "block_n": 128, "block_k": 128}
 K, N = 256, 256
 # (format, group_size, symmetric): every weight layout the kernels support.
