@@ -119,11 +119,14 @@ def test_xla_path_equals_the_reference_on_random_ragged_batches(seed):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
 
 
-@pytest.mark.parametrize("query_lens", [[300, 1, 150, 7], [1, 1, 129, 127, 2], [512]])
+@pytest.mark.parametrize("query_lens", [[300, 1, 150, 7], [1, 1, 129, 127, 2], [512],
+                                        [200, 190, 122]])
 def test_xla_path_tiles_long_steps_like_the_reference(query_lens):
-    # T = 512 takes the tiled path for this step's keys; sequences cross tile boundaries.
+    # T = 512 takes the tiled path for this step's keys; sequences cross tile boundaries, and
+    # chunks with a context walk their pages tile by tile (the last case: three of them).
     rng = np.random.default_rng(sum(query_lens))
-    context_lens = [int(rng.integers(0, 40)) for _ in query_lens]
+    context_lens = [int(rng.integers(1 if len(query_lens) == 3 else 0, 40))
+                    for _ in query_lens]
     longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
     inputs, _ = paged_case(rng, query_lens, context_lens, page_size=16,
                       pages_per_seq=-(-longest // 16), padded_tokens=512 - sum(query_lens),
