@@ -68,8 +68,12 @@ def _soft_capped(scores: jax.Array, soft_cap: float | None) -> jax.Array:
     return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
-# Query tokens per tile of the blocked step attention (used when T is a multiple >= 2x).
+# Query tokens per tile of the blocked step attention (used when T is a multiple >= 2x), and
+# of the context walk of long chunks.
 QUERY_BLOCK = 128
+# Query tokens per tile of the context walk of short multi-token sequences (up to 8 tokens:
+# a speculative step's k + 1, a short chunk).
+SHORT_QUERY_TILE = 8
 
 
 def _step_visible(query_sequence: jax.Array, query_position: jax.Array, query_real: jax.Array,
@@ -287,47 +291,57 @@ def ragged_paged_attention_xla(
     stats = _merge(stats, row_stats)
 
     # 2b. Earlier keys of multi-token sequences that have a context: those sequences only,
-    # and of the packed tokens only their own, in tiles of `QUERY_BLOCK` (walking every page
-    # against all T tokens cost T / q_len times the work: 8 chunks of 256 over 768 keys each
-    # took 18 s instead of ~1).
+    # and of the packed tokens only their own, in query tiles (walking every page against all
+    # T tokens cost T / q_len times the work: 8 chunks of 256 over 768 keys each took 18 s
+    # instead of ~1.4). Short ones (a speculative step's k + 1 tokens) take small tiles, long
+    # chunks `QUERY_BLOCK` ones.
     continued = real_seq & (q_lens > 1) & (context_lens > 0)  # [S]
-    order = jnp.argsort(~continued, stable=True).astype(jnp.int32)  # [S] flagged first
-    tile = min(QUERY_BLOCK, num_tokens)
 
-    def continued_sequence(index: jax.Array, carry: Stats) -> Stats:
-        chosen = order[index]
+    def walk_pages(selected: jax.Array, tile: int, carry: Stats) -> Stats:
+        order = jnp.argsort(~selected, stable=True).astype(jnp.int32)  # [S] selected first
 
-        def query_tile(tile_index: jax.Array, outer: Stats) -> Stats:
-            first = cu_q_lens[chosen] + tile_index * tile  # the tile's first own token
-            # Clamped so the slice stays in bounds; rows before `first` are masked out, and
-            # merging an all-masked row leaves its statistics exactly as they were.
-            start = jnp.minimum(first, num_tokens - tile)
-            rows = start + jnp.arange(tile)  # [B]
-            mine = ((rows >= first) & (rows < cu_q_lens[chosen + 1])
-                    & real[rows])  # [B]
-            tile_queries = jax.lax.dynamic_slice_in_dim(grouped, start, tile)  # [B, K, G, H]
-            tile_position = position[rows]  # [B]
+        def one_sequence(index: jax.Array, outer_carry: Stats) -> Stats:
+            chosen = order[index]
 
-            def context_page(page: jax.Array, inner: Stats) -> Stats:
-                block = _pages(kv_pages, kv_scales, page_indices[chosen, page])  # [ps, 2K, H]
-                page_scores = _soft_capped(jnp.einsum("tkgh,lkh->tkgl", tile_queries,
-                                                      block[:, 0::2]), soft_cap)  # [B,K,G,ps]
-                key_position = page * page_size + jnp.arange(page_size)  # [ps]
-                page_visible = (mine[:, None] & (key_position[None, :] < context_lens[chosen])
-                                & (tile_position[:, None] - key_position[None, :] < window))
-                page_scores = jnp.where(page_visible[:, None, None, :], page_scores, -jnp.inf)
-                return _merge(inner, _block_stats(page_scores, block[:, 1::2],
-                                                  "tkgl,lkh->tkgh"))
+            def query_tile(tile_index: jax.Array, outer: Stats) -> Stats:
+                first = cu_q_lens[chosen] + tile_index * tile  # the tile's first own token
+                # Clamped so the slice stays in bounds; rows before `first` are masked out,
+                # and merging an all-masked row leaves its statistics exactly as they were.
+                start = jnp.minimum(first, num_tokens - tile)
+                rows = start + jnp.arange(tile)  # [B]
+                mine = (rows >= first) & (rows < cu_q_lens[chosen + 1]) & real[rows]  # [B]
+                tile_queries = jax.lax.dynamic_slice_in_dim(grouped, start, tile)  # [B,K,G,H]
+                tile_position = position[rows]  # [B]
 
-            tile_stats = jax.lax.fori_loop(
-                0, -(-context_lens[chosen] // page_size), context_page,
-                tuple(jax.lax.dynamic_slice_in_dim(part, start, tile) for part in outer))
-            return tuple(jax.lax.dynamic_update_slice_in_dim(part, update, start, 0)
-                         for part, update in zip(outer, tile_stats, strict=True))
+                def context_page(page: jax.Array, inner: Stats) -> Stats:
+                    block = _pages(kv_pages, kv_scales,
+                                   page_indices[chosen, page])  # [ps, 2K, H]
+                    page_scores = _soft_capped(jnp.einsum(
+                        "tkgh,lkh->tkgl", tile_queries, block[:, 0::2]), soft_cap)  # [B,K,G,ps]
+                    key_position = page * page_size + jnp.arange(page_size)  # [ps]
+                    page_visible = (
+                        mine[:, None] & (key_position[None, :] < context_lens[chosen])
+                        & (tile_position[:, None] - key_position[None, :] < window))
+                    page_scores = jnp.where(page_visible[:, None, None, :], page_scores,
+                                            -jnp.inf)
+                    return _merge(inner, _block_stats(page_scores, block[:, 1::2],
+                                                      "tkgl,lkh->tkgh"))
 
-        return jax.lax.fori_loop(0, -(-q_lens[chosen] // tile), query_tile, carry)
+                tile_stats = jax.lax.fori_loop(
+                    0, -(-context_lens[chosen] // page_size), context_page,
+                    tuple(jax.lax.dynamic_slice_in_dim(part, start, tile) for part in outer))
+                return tuple(jax.lax.dynamic_update_slice_in_dim(part, update, start, 0)
+                             for part, update in zip(outer, tile_stats, strict=True))
 
-    stats = jax.lax.fori_loop(0, jnp.sum(continued), continued_sequence, stats)
+            return jax.lax.fori_loop(0, -(-q_lens[chosen] // tile), query_tile, outer_carry)
+
+        return jax.lax.fori_loop(0, jnp.sum(selected), one_sequence, carry)
+
+    short_tile = min(SHORT_QUERY_TILE, num_tokens)
+    stats = walk_pages(continued & (q_lens <= short_tile), short_tile, stats)
+    if num_tokens > short_tile:
+        stats = walk_pages(continued & (q_lens > short_tile), min(QUERY_BLOCK, num_tokens),
+                           stats)
 
     _, denominator, weighted = stats
     out = weighted / jnp.where(denominator > 0, denominator, 1.0)[..., None]  # [T, K, G, H]

@@ -155,3 +155,23 @@ def test_xla_path_walks_decode_groups_of_mixed_lengths_like_the_reference(num_de
         got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
                                      implementation="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
+
+
+@pytest.mark.parametrize("padded_tokens", [0, 3])
+def test_xla_path_walks_short_multi_token_steps_like_the_reference(padded_tokens):
+    # Speculative-style steps: k + 1 tokens per sequence over a context (the short-tile walk),
+    # beside a longer chunk (the long-tile walk) and a decode; with no padding the last
+    # sequence's tile is clamped to the end of the packed tokens.
+    rng = np.random.default_rng(padded_tokens)
+    query_lens = [5, 5, 1, 8, 12, 5, 2]
+    context_lens = [30, 3, 17, 9, 21, 44, 6]
+    longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
+    inputs, _ = paged_case(rng, query_lens, context_lens, page_size=4,
+                           pages_per_seq=-(-longest // 4), padded_tokens=padded_tokens,
+                           padded_seqs=1)
+    for window in (None, 10):
+        expected = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                          implementation="reference")
+        got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                     implementation="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
