@@ -16,7 +16,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import cached_key_value, dtype_of, linear_input, make_param
+from jaxinfer.models.layers import (
+    cached_key_value,
+    dtype_of,
+    is_quantized,
+    linear_input,
+    make_param,
+)
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import constrain
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_to_pages
@@ -108,8 +114,12 @@ class Attention(nnx.Module):
         else:
             self.q_bias = self.k_bias = self.v_bias = None
 
-    def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(self.dtype))  # [B, T, N|K, H]
+    def _project(self, x: jax.Array, kernel: nnx.Param | nnx.Module,
+                 bias: nnx.Param | None) -> jax.Array:
+        if is_quantized(kernel):
+            out = kernel(x)  # [B, T, N|K, H]
+        else:
+            out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(self.dtype))  # [B,T,N|K,H]
         if bias is not None:
             out = out + bias[...].astype(self.dtype)
         return out
@@ -168,6 +178,8 @@ class Attention(nnx.Module):
         """`[B, T, N, H]` attention outputs to `[B, T, D]` through o_proj."""
         attended = linear_input(attended)  # [B, T, N, H]
         batch, length, num_heads, head_dim = attended.shape
+        if is_quantized(self.o_proj):
+            return self.o_proj(attended.reshape(batch, length, num_heads * head_dim))
         weight = self.o_proj[...].astype(self.dtype)  # [N, H, D]
         # One [N*H, D] matmul: contracting (n, h) as two einsum axes made XLA on CPU copy a
         # transposed o_proj in every step.

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import Attention, LayerCache, PagedBatch, PagedLayerCache
-from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_norm, make_param
+from jaxinfer.models.layers import MLP, Embedding, dtype_of, is_quantized, make_norm, make_param
 from jaxinfer.models.moe import MoEBlock
 from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
 
@@ -169,6 +169,8 @@ class Transformer(nnx.Module):
         """Projects `[B, T, D]` hidden states to `[B, T, V]` float32 logits."""
         if self.lm_head is None:
             logits = self.embed.attend(hidden)  # [B, T, V]
+        elif is_quantized(self.lm_head):
+            logits = self.lm_head(hidden).astype(jnp.float32)  # [B, T, V]
         else:
             weight = self.lm_head[...].astype(hidden.dtype)  # [D, V]
             logits = jnp.einsum("btd,dv->btv", hidden, weight,
