@@ -167,8 +167,12 @@ def quantize_matrix(matrix: jax.Array, scheme: WeightScheme) -> QuantizedWeight:
 
 
 def copy_model(model: Transformer) -> Transformer:
-    """A new module tree over the same (immutable) arrays, safe to quantize in place."""
-    return nnx.merge(*nnx.split(model))
+    """New modules and variables over the same (immutable) arrays, safe to change in place.
+
+    (`nnx.merge(*nnx.split(model))` would share the variables: a write through the copy
+    would change the original.)
+    """
+    return nnx.clone(model)
 
 
 Quantizer = Callable[[LinearSite, WeightScheme], QuantizedWeight]
