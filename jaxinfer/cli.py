@@ -346,6 +346,10 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="score only the first N tokens of the text")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    parser.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "int8"),
+                        default=None,
+                        help="score through a paged KV cache of this dtype, as the engine "
+                             "runs (default: no cache, keys at compute precision)")
     parser.add_argument("--json", action="store_true",
                         help='print one line {"ppl": ..., "tokens": ...}')
     parser.set_defaults(handler=_run_eval_ppl)
@@ -362,7 +366,7 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
         token_ids = tokenizer.encode(text)[:args.max_tokens]
         model = load_model(args.model)
         result = perplexity(model, token_ids, window=args.window, stride=args.stride,
-                            batch_size=args.batch_size)
+                            batch_size=args.batch_size, kv_cache_dtype=args.kv_cache_dtype)
     except (ValueError, FileNotFoundError, KeyError) as error:
         raise CommandError(str(error)) from None
     if args.json:

@@ -9,6 +9,11 @@ token). PPL = exp(mean negative log-likelihood).
 
     result = perplexity(model, token_ids, window=256, stride=128)
     result.ppl, result.tokens
+
+With `kv_cache_dtype`, each window goes through the engine's path instead: its keys and
+values are written to a paged KV cache of that dtype and attention reads them back from the
+pages (`PagedKVCache`, `ragged_paged_attention`), so the cache's precision (e.g. int8) is
+what the score sees. Without it the model runs with no cache (keys at compute precision).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.models import Transformer
+from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
+
+PAGE_SIZE = 16  # tokens per page of the paged path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +65,32 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int
     return windows
 
 
+def paged_logits(model: Transformer, inputs: jax.Array, kv_cache_dtype: str) -> jax.Array:
+    """`[B, L, V]` logits of `[B, L]` windows run as one ragged prefill of B sequences over a
+    fresh paged cache of `kv_cache_dtype` (page 0 is the null page, as in the engine)."""
+    rows, length = inputs.shape
+    pages_per_row = -(-length // PAGE_SIZE)
+    offsets = jnp.arange(length, dtype=jnp.int32)  # [L]
+    first_page = 1 + pages_per_row * jnp.arange(rows, dtype=jnp.int32)  # [B]
+    page_indices = first_page[:, None] + jnp.arange(pages_per_row, dtype=jnp.int32)  # [B, P/B]
+    slots = ((first_page[:, None] + offsets[None, :] // PAGE_SIZE) * PAGE_SIZE
+             + offsets[None, :] % PAGE_SIZE)  # [B, L]
+    batch = PagedBatch(
+        slot_mapping=slots.reshape(-1),  # [B * L]
+        kv_lens=jnp.full((rows,), length, jnp.int32),  # [B]
+        page_indices=page_indices,
+        cu_q_lens=length * jnp.arange(rows + 1, dtype=jnp.int32),  # [B + 1]
+        num_seqs=jnp.asarray([rows], jnp.int32))
+    cache = PagedKVCache.create(model.config, 1 + rows * pages_per_row, PAGE_SIZE, batch,
+                                dtype=kv_cache_dtype)
+    positions = jnp.tile(offsets, rows)[None]  # [1, B * L]
+    hidden, _ = model.hidden_states(inputs.reshape(1, -1), positions, cache)  # [1, B*L, D]
+    return model.logits(hidden).reshape(rows, length, -1)  # [B, L, V]
+
+
 def perplexity(model: Transformer, token_ids: Sequence[int] | np.ndarray, *, window: int = 256,
-               stride: int | None = None, batch_size: int = 8) -> PerplexityResult:
+               stride: int | None = None, batch_size: int = 8,
+               kv_cache_dtype: str | None = None) -> PerplexityResult:
     """Sliding-window perplexity of `model` on one token stream.
 
     Args:
@@ -68,6 +99,8 @@ def perplexity(model: Transformer, token_ids: Sequence[int] | np.ndarray, *, win
         window: Tokens per forward pass.
         stride: Tokens between window starts; default `window` (disjoint windows).
         batch_size: Windows per forward pass (all padded to `window`: one compilation).
+        kv_cache_dtype: None runs without a cache; a dtype ("float32", "bfloat16", "int8")
+            runs every window through a paged KV cache of that dtype.
 
     Returns:
         The perplexity, the number of scored tokens and their total NLL.
@@ -97,7 +130,11 @@ def perplexity(model: Transformer, token_ids: Sequence[int] | np.ndarray, *, win
     def batch_nll(state: nnx.State, inputs: jax.Array, targets: jax.Array,
                   weights: jax.Array) -> jax.Array:
         # Right padding needs no mask: no real token attends to a later position.
-        logits, _ = nnx.merge(graphdef, state)(inputs)  # [B, L, V]
+        model = nnx.merge(graphdef, state)
+        if kv_cache_dtype is None:
+            logits, _ = model(inputs)  # [B, L, V]
+        else:
+            logits = paged_logits(model, inputs, kv_cache_dtype)  # [B, L, V]
         log_probs = jax.nn.log_softmax(logits, axis=-1)  # [B, L, V]
         picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]  # [B, L]
         return -jnp.sum(picked * weights)

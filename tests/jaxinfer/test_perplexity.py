@@ -41,3 +41,12 @@ def test_batched_perplexity_equals_a_direct_forward_per_window(window, stride):
     assert result.tokens == count == ids.size - 1
     assert result.nll == pytest.approx(total, rel=1e-5)
     assert result.ppl == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+def test_paged_path_with_a_float_cache_equals_the_cacheless_forward():
+    model = create_model(get_preset("tiny"), seed=0)
+    ids = np.random.default_rng(1).integers(3, 512, size=80)  # [N]
+    plain = perplexity(model, ids, window=24, batch_size=2)
+    paged = perplexity(model, ids, window=24, batch_size=2, kv_cache_dtype="float32")
+    assert paged.tokens == plain.tokens
+    assert paged.nll == pytest.approx(plain.nll, rel=1e-5)
