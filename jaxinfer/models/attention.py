@@ -49,10 +49,12 @@ class PagedBatch(NamedTuple):
 
 
 class PagedLayerCache(NamedTuple):
-    """One layer's pages `[P, page_size, 2K, H]` and the batch that reads and writes them."""
+    """One layer's pages `[P, page_size, 2K, H]` and the batch that reads and writes them;
+    for an int8 cache, also its float32 scales `[P, page_size, 2K]`."""
 
     pages: jax.Array
     batch: PagedBatch
+    scales: jax.Array | None = None
 
 
 def dot_product_attention(

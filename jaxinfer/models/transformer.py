@@ -40,19 +40,29 @@ class KVCache(NamedTuple):
 
 class PagedKVCache(NamedTuple):
     """The engine's page pool: one `[P, page_size, 2K, H]` array per layer (page p is the same
-    slot of the same tokens in every layer), plus the step's `PagedBatch`."""
+    slot of the same tokens in every layer), plus the step's `PagedBatch`.
+
+    An int8 pool also holds one float32 `[P, page_size, 2K]` scale array per layer: one
+    scale per token and (interleaved) K/V head over head_dim, symmetric absmax / 127
+    (`pallas_kernels.ragged_paged_attention.write_to_quantized_pages`).
+    """
 
     layers: tuple[jax.Array, ...]
     batch: PagedBatch
+    scales: tuple[jax.Array, ...] | None = None
 
     @classmethod
     def create(cls, config: ModelConfig, num_pages: int, page_size: int,
                batch: PagedBatch, dtype: str | None = None) -> PagedKVCache:
-        """Allocates a zeroed pool of `num_pages` pages per layer."""
+        """Allocates a zeroed pool of `num_pages` pages per layer; `dtype="int8"` gives the
+        quantized pool with its scales."""
         shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
         cache_dtype = dtype_of(dtype or config.dtype)
-        return cls(tuple(jnp.zeros(shape, cache_dtype) for _ in range(config.num_layers)),
-                   batch)
+        layers = tuple(jnp.zeros(shape, cache_dtype) for _ in range(config.num_layers))
+        scales = None
+        if cache_dtype == jnp.int8:
+            scales = tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(config.num_layers))
+        return cls(layers, batch, scales)
 
 
 AnyCache = KVCache | PagedKVCache
@@ -62,7 +72,8 @@ def _layer_cache(cache: AnyCache | None, index: int) -> LayerCache | PagedLayerC
     if cache is None:
         return None
     if isinstance(cache, PagedKVCache):
-        return PagedLayerCache(cache.layers[index], cache.batch)
+        scales = None if cache.scales is None else cache.scales[index]
+        return PagedLayerCache(cache.layers[index], cache.batch, scales)
     return cache.layers[index]
 
 
@@ -70,7 +81,8 @@ def _rebuild_cache(cache: AnyCache | None, layers: list) -> AnyCache | None:
     if cache is None:
         return None
     if isinstance(cache, PagedKVCache):
-        return PagedKVCache(tuple(layer.pages for layer in layers), cache.batch)
+        scales = None if cache.scales is None else tuple(layer.scales for layer in layers)
+        return PagedKVCache(tuple(layer.pages for layer in layers), cache.batch, scales)
     return KVCache(tuple(layers))
 
 
