@@ -191,6 +191,9 @@ class Attention(nnx.Module):
     def _paged(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
                cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:
         """Writes this step's K/V into the pages, then ragged paged attention over them."""
+        if cache.scales is not None:
+            raise NotImplementedError("the int8 KV cache needs the quantized page writes of "
+                                      "pallas_kernels.ragged_paged_attention (not yet merged)")
         pages = write_to_pages(cache.pages, keys[0], values[0],
                                cache.batch.slot_mapping)  # [P, page_size, 2K, H]
         batch = cache.batch
