@@ -8,8 +8,9 @@ and GPTQ, W8A8 SmoothQuant and an int8 KV cache:
 - validation PPL on held-out Python-docs text (the demo's own validation split, built by
   `train_distill.corpus`; disjoint 256-token windows, as `benchmarks/demo_models.py` scores
   the teacher) and its ratio to fp32;
-- weight bytes of the linear layers (values + scales + zero points) and their ratio to the
-  same weights in bf16, and the bytes of all parameters (embedding and LM head stay float);
+- weight bytes of the blocks' linear layers (values + scales + zero points) and their ratio
+  to the same weights in bf16, and the bytes of all parameters (the embedding and the LM
+  head stay fp32 in every quantized row);
 - KV-cache bytes per token (K and V of every layer, scales included);
 - engine decode tokens/s at batch 1 and 32 (`jaxinfer.bench.latency`: greedy, 32-token
   prompts, (t(N) - t(1)) / (N - 1) per step) on this CPU.
@@ -39,10 +40,14 @@ from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.models import Transformer
 from jaxinfer.perplexity import perplexity
 from jaxinfer.quant import QuantizationConfig, linear_weight_bytes
+from jaxinfer.quant.kv_cache import kv_bytes_per_token
 from jaxinfer.quant.methods import apply_method, calibration_windows
 from jaxinfer.tokenizer import load_tokenizer
 from train_distill.corpus import build_corpus, read_documents
 from train_distill.data import tokenize_split
+
+# The projections the quantized rows quantize; the LM head stays fp32 in every row.
+BLOCK_LINEARS = r"^layers\."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +79,6 @@ VARIANTS = (
     Variant("W8A8 SmoothQuant (a=0.5)", "smoothquant", 8),
     Variant("int8 KV cache (fp32 weights)", kv_cache_dtype="int8"),
 )
-
-
-def kv_bytes_per_token(model: Transformer, kv_cache_dtype: str | None) -> int:
-    """K and V of one token in every layer, with the int8 cache's float32 scales (one per
-    token and kv head)."""
-    config = model.config
-    elements = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-    if kv_cache_dtype == "int8":
-        return elements + 4 * 2 * config.num_layers * config.num_kv_heads
-    return elements * np.dtype(kv_cache_dtype or config.dtype).itemsize
 
 
 def parameter_bytes(model: Transformer) -> int:
@@ -143,11 +138,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         model = build_variant(variant, args.model, windows)
         build_s = time.perf_counter() - started
         result = perplexity(model, validation, window=256, kv_cache_dtype=variant.kv_cache_dtype)
-        stored, bf16 = linear_weight_bytes(model)
+        stored, bf16 = linear_weight_bytes(model, BLOCK_LINEARS)
         row = {"name": variant.name, "ppl": result.ppl, "tokens": result.tokens,
                "build_s": build_s, "linear_bytes": stored, "linear_bf16_bytes": bf16,
                "parameter_bytes": parameter_bytes(model),
-               "kv_bytes_per_token": kv_bytes_per_token(model, variant.kv_cache_dtype)}
+               "kv_bytes_per_token": kv_bytes_per_token(model.config,
+                                                        variant.kv_cache_dtype)}
         measured = {done["name"]: done for done in rows}
         if variant.decode_as in measured and "decode_tokens_per_s" in measured[
                 variant.decode_as]:
@@ -184,8 +180,8 @@ def markdown(results: dict[str, Any], command: str) -> str:
         "training split. Asymmetric (zero-point) groups for 4 and 3 bits; GPTQ with act-order, "
         "damping 0.01, blocks of 128. The embedding and the LM head stay fp32 in every row.",
         "",
-        "| variant | val PPL | PPL / fp32 | linear weight bytes | / bf16 | all parameter bytes "
-        "| KV bytes / token | " + " | ".join(f"decode tok/s @ {size}" for size in sizes)
+        "| variant | val PPL | PPL / fp32 | block linear weight bytes | / bf16 "
+        "| all parameter bytes | KV bytes / token | " + " | ".join(f"decode tok/s @ {size}" for size in sizes)
         + " | build s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | "
         + " | ".join("---:" for _ in sizes) + " | ---: |",

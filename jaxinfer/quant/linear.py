@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 
 import jax
@@ -236,14 +237,17 @@ def _input_shape(model: Transformer, site: LinearSite, k: int) -> tuple[int, ...
     return (k,)
 
 
-def linear_weight_bytes(model: Transformer) -> tuple[int, int]:
-    """`(stored bytes, bf16 bytes)` of the linear weights `linear_sites` lists.
+def linear_weight_bytes(model: Transformer, pattern: str = r".") -> tuple[int, int]:
+    r"""`(stored bytes, bf16 bytes)` of the linear weights whose path matches `pattern`.
 
     Stored bytes count quantized layers with their scales and zero points and float
     parameters at their dtype; the bf16 figure is the same weights at 2 bytes each.
+    `pattern=r"^layers\."` counts the blocks' projections only (not the LM head).
     """
     stored = bf16 = 0
     for site in linear_sites(model):
+        if not re.search(pattern, site.path):
+            continue
         layer = site.layer
         if isinstance(layer, QuantizedLinear):
             stored += layer.nbytes()

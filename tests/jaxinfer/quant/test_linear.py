@@ -117,11 +117,14 @@ def test_weight_bytes_count_values_scales_and_zeros(model):
                  (heads * head_dim, d), (d, f), (d, f), (f, d)]
     head = 64 * 512 * 4  # the float32 LM head stays
     config = QuantizationConfig.for_method("rtn", bits=4, group_size=32, symmetric=False)
-    stored, bf16 = linear_weight_bytes(quantize_model(model, config))
+    quantized = quantize_model(model, config)
+    stored, bf16 = linear_weight_bytes(quantized)
     # Two values a byte, one float32 scale and one int8 zero per 32 rows per column.
-    expected = 2 * sum(k * n // 2 + (k // 32) * n * 5 for k, n in per_block) + head
-    assert stored == expected
+    expected = 2 * sum(k * n // 2 + (k // 32) * n * 5 for k, n in per_block)
+    assert stored == expected + head
     assert bf16 == 2 * sum(k * n for k, n in per_block) * 2 + 64 * 512 * 2
+    assert linear_weight_bytes(quantized, r"^layers\.") == (
+        expected, 2 * sum(k * n for k, n in per_block) * 2)
 
 
 def test_a_shape_that_does_not_fit_names_the_weight(model):
