@@ -181,8 +181,8 @@ def markdown(results: dict[str, Any], command: str) -> str:
         "damping 0.01, blocks of 128. The embedding and the LM head stay fp32 in every row.",
         "",
         "| variant | val PPL | PPL / fp32 | block linear weight bytes | / bf16 "
-        "| all parameter bytes | KV bytes / token | " + " | ".join(f"decode tok/s @ {size}" for size in sizes)
-        + " | build s |",
+        "| all parameter bytes | KV bytes / token | "
+        + " | ".join(f"decode tok/s @ {size}" for size in sizes) + " | build s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | "
         + " | ".join("---:" for _ in sizes) + " | ---: |",
     ]
