@@ -136,6 +136,14 @@ class Transformer(nnx.Module):
             self.lm_head = make_param(rngs, (config.hidden_size, config.vocab_size),
                                       ("embed", "vocab"), param_dtype)
 
+    def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
+        """`[B, T]` token ids to the `[B, T, D]` residual stream entering the first block
+        (the embedding, then OSP's input projection if the model has one)."""
+        x = self.embed(token_ids)  # [B, T, D]
+        if self.input_projection is not None:
+            x = jnp.einsum("btd,de->bte", x, self.input_projection[...].astype(x.dtype))
+        return constrain(x, ("batch", "length", "act_embed"))  # [B, T, D]
+
     def hidden_states(
         self,
         token_ids: jax.Array,
@@ -158,10 +166,7 @@ class Transformer(nnx.Module):
         Returns:
             `([B, T, D]` final hidden states, the updated cache or None`)`.
         """
-        x = self.embed(token_ids)  # [B, T, D]
-        if self.input_projection is not None:
-            x = jnp.einsum("btd,de->bte", x, self.input_projection[...].astype(x.dtype))
-        x = constrain(x, ("batch", "length", "act_embed"))  # [B, T, D]
+        x = self.embed_tokens(token_ids)  # [B, T, D]
         if intermediates is not None:
             intermediates.append(x)
         new_layers = []

@@ -9,17 +9,20 @@ each group of linear layers, in forward order:
     2: MLP input             [B, T, D]     -> gate_proj, up_proj
     3: SwiGLU hidden         [B, T, F]     -> down_proj
 
-so no forward code is duplicated here. Capture runs eagerly (the hook is read at trace
-time and returns nothing to a jitted caller).
+so no forward code is duplicated here. The hook acts while a function is traced, so each
+block run is jitted with the recording hook inside its own trace and the captured inputs
+are outputs of that program.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxinfer.models import Transformer
 from jaxinfer.models.layers import MLP, simulated_quantization
@@ -54,9 +57,8 @@ def positions_for(token_ids: jax.Array) -> jax.Array:
 def embedding_output(model: Transformer, token_ids: jax.Array) -> jax.Array:
     """The `[B, T, D]` residual stream entering the first block (after any OSP input
     projection), as the model's own forward computes it."""
-    states: list[jax.Array] = []
-    model.hidden_states(token_ids, positions_for(token_ids), intermediates=states)
-    return states[0]  # [B, T, D]
+    return jax.jit(lambda graphdef, state, ids: nnx.merge(graphdef, state).embed_tokens(ids),
+                   static_argnums=0)(*nnx.split(model), token_ids)
 
 
 def run_block(block: DecoderBlock, x: jax.Array, positions: jax.Array
@@ -64,11 +66,22 @@ def run_block(block: DecoderBlock, x: jax.Array, positions: jax.Array
     """Runs one block without a cache; returns its `[B, T, D]` output and its four captured
     linear inputs (see the module docstring), each flattened to `[B * T, K]`.
 
+    Jitted per block structure: blocks at the same stage of quantization share one program.
+
     Raises:
         ValueError: The block is a mixture of experts (its experts are not captured).
     """
     if not isinstance(block.mlp, MLP):
         raise ValueError("calibration captures dense blocks only; MoE experts stay float")
+    graphdef, state = nnx.split(block)
+    return _run_block(graphdef, state, x, positions)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_block(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, positions: jax.Array
+               ) -> tuple[jax.Array, list[jax.Array]]:
+    # The hook is read while this function is traced, and the captured values are outputs
+    # of the same trace, so capturing works under jit.
     captured: list[jax.Array] = []
 
     def record(inputs: jax.Array) -> jax.Array:
@@ -76,7 +89,7 @@ def run_block(block: DecoderBlock, x: jax.Array, positions: jax.Array
         return inputs
 
     with simulated_quantization(linear_inputs=record):
-        out, _ = block(x, positions, None)  # [B, T, D]
+        out, _ = nnx.merge(graphdef, state)(x, positions, None)  # [B, T, D]
     if len(captured) != len(set(INPUT_INDEX.values())):
         raise ValueError(f"expected 4 linear inputs from a block, captured {len(captured)}")
     flat = [inputs.reshape(-1, int(np.prod(inputs.shape[2:]))) for inputs in captured]
