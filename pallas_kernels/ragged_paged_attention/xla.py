@@ -29,6 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import dequantize_pages
+
 # (running max [R, K, G], denominator [R, K, G], weighted sum of values [R, K, G, H])
 Stats = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -126,6 +128,11 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
     return tuple(jnp.concatenate(parts) for parts in zip(*per_block, strict=True))
 
 
+def _pages(kv_pages: jax.Array, kv_scales: jax.Array | None, index: jax.Array) -> jax.Array:
+    """Float32 pages (or rows) at `index` of the pool, dequantized when it is int8."""
+    return dequantize_pages(kv_pages[index], None if kv_scales is None else kv_scales[index])
+
+
 # Decode sequences per page walk: the walk of a group runs to its longest member's context,
 # so sorting by length and walking groups of 16 reads ~the real keys instead of S x the
 # longest (64 sequences of 64-384 tokens: 8.8 -> 7.2 ms per layer on 2 CPU cores; smaller
@@ -133,14 +140,16 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
 DECODE_SEQUENCE_GROUP = 16
 
 
-def _decode_context_stats(kv_pages: jax.Array, page_indices: jax.Array,
-                          decode_queries: jax.Array, decode_context: jax.Array,
-                          decode_position: jax.Array, window: int | jax.Array,
-                          windowed: bool, soft_cap: float | None = None) -> Stats:
+def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
+                          page_indices: jax.Array, decode_queries: jax.Array,
+                          decode_context: jax.Array, decode_position: jax.Array,
+                          window: int | jax.Array, windowed: bool,
+                          soft_cap: float | None = None) -> Stats:
     """Earlier keys of the decode sequences: groups of similar length walk their pages.
 
     Args:
         kv_pages: `[P, page_size, 2K, H]` the pool.
+        kv_scales: `[P, page_size, 2K]` scales of an int8 pool, or None.
         page_indices: `[S, pages_per_seq]` page tables.
         decode_queries: `[S, K, G, H]` each sequence's one (scaled) query.
         decode_context: `[S]` keys before this step (0 for non-decode sequences).
@@ -172,7 +181,7 @@ def _decode_context_stats(kv_pages: jax.Array, page_indices: jax.Array,
         def decode_page(page: jax.Array, carry: Stats, context: jax.Array = context,
                         queries: jax.Array = queries, position: jax.Array = position,
                         table: jax.Array = table) -> Stats:
-            block = kv_pages[table[:, page]].astype(jnp.float32)  # [Gs, ps, 2K, H]
+            block = _pages(kv_pages, kv_scales, table[:, page])  # [Gs, ps, 2K, H]
             page_scores = _soft_capped(jnp.einsum("skgh,slkh->skgl", queries,
                                                   block[:, :, 0::2]), soft_cap)  # [Gs,K,G,ps]
             key_position = page * page_size + jnp.arange(page_size)  # [ps]
@@ -204,6 +213,7 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
@@ -218,6 +228,7 @@ def ragged_paged_attention_xla(
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (`cap * tanh(s / cap)`), or None.
+        kv_scales: `[P, page_size, 2K]` scales of an int8 pool, or None for a float pool.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -243,8 +254,10 @@ def ragged_paged_attention_xla(
     # 1. This step's keys: read back from their slots, attended block-diagonally and causally.
     slot = (page_indices[sequence, jnp.clip(position, 0) // page_size] * page_size
             + jnp.clip(position, 0) % page_size)  # [T]
-    new_kv = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)[slot].astype(
-        jnp.float32)  # [T, 2K, H]
+    flat_scales = None if kv_scales is None else kv_scales.reshape(num_pages * page_size,
+                                                                   combined_heads)
+    new_kv = _pages(kv_pages.reshape(num_pages * page_size, combined_heads, head_dim),
+                    flat_scales, slot)  # [T, 2K, H]
     new_keys, new_values = new_kv[:, 0::2], new_kv[:, 1::2]  # [T, K, H] each
     if num_tokens >= 2 * QUERY_BLOCK and num_tokens % QUERY_BLOCK == 0:
         stats = _blocked_step_attention(grouped, new_keys, new_values, sequence, position, real,
@@ -263,7 +276,7 @@ def ragged_paged_attention_xla(
     decode_queries = grouped[last_token]  # [S, K, G, H]
     decode_position = kv_lens - 1  # [S]
 
-    decode_stats = _decode_context_stats(kv_pages, page_indices, decode_queries,
+    decode_stats = _decode_context_stats(kv_pages, kv_scales, page_indices, decode_queries,
                                          decode_context, decode_position, window,
                                          sliding_window is not None, soft_cap)
     # Token t takes its sequence's row only if it is that decode sequence's one token.
@@ -282,7 +295,7 @@ def ragged_paged_attention_xla(
         mine = (sequence == chosen) & real  # [T]
 
         def context_page(page: jax.Array, inner: Stats) -> Stats:
-            block = kv_pages[page_indices[chosen, page]].astype(jnp.float32)  # [ps, 2K, H]
+            block = _pages(kv_pages, kv_scales, page_indices[chosen, page])  # [ps, 2K, H]
             page_scores = _soft_capped(jnp.einsum("tkgh,lkh->tkgl", grouped, block[:, 0::2]),
                                        soft_cap)  # [T, K, G, ps]
             key_position = page * page_size + jnp.arange(page_size)  # [ps]
