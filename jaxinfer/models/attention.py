@@ -25,7 +25,11 @@ from jaxinfer.models.layers import (
 )
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import constrain
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_to_pages
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    write_to_pages,
+    write_to_quantized_pages,
+)
 
 _MASKED = -1e30  # Large negative rather than -inf so fully masked rows stay finite.
 
@@ -190,16 +194,24 @@ class Attention(nnx.Module):
 
     def _paged(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
                cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:
-        """Writes this step's K/V into the pages, then ragged paged attention over them."""
-        if cache.scales is not None:
-            raise NotImplementedError("the int8 KV cache needs the quantized page writes of "
-                                      "pallas_kernels.ragged_paged_attention (not yet merged)")
-        pages = write_to_pages(cache.pages, keys[0], values[0],
-                               cache.batch.slot_mapping)  # [P, page_size, 2K, H]
+        """Writes this step's K/V into the pages, then ragged paged attention over them.
+
+        An int8 pool (with scales) quantizes the new rows as it writes them, and attention
+        dequantizes the rows it reads; a float pool is read in the compute dtype.
+        """
         batch = cache.batch
+        if cache.scales is None:
+            pages = write_to_pages(cache.pages, keys[0], values[0],
+                                   batch.slot_mapping)  # [P, page_size, 2K, H]
+            scales, read = None, pages.astype(self.dtype)
+        else:
+            pages, scales = write_to_quantized_pages(
+                cache.pages, cache.scales, keys[0], values[0],
+                batch.slot_mapping)  # [P, page_size, 2K, H] int8, [P, page_size, 2K]
+            read = pages
         attended = ragged_paged_attention(
-            queries[0], pages.astype(self.dtype), batch.kv_lens, batch.page_indices,
-            batch.cu_q_lens, batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
-            sliding_window=self.sliding_window)[None]  # [1, T, N, H]
+            queries[0], read, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
+            batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
+            sliding_window=self.sliding_window, kv_scales=scales)[None]  # [1, T, N, H]
         out = self._output_projection(attended)
-        return out, PagedLayerCache(pages, batch)  # [1, T, D]
+        return out, PagedLayerCache(pages, batch, scales)  # [1, T, D]

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-
-INT8_MAX = 127
+from pallas_kernels.ragged_paged_attention.reference import dequantize_pages, quantize_kv_rows
 
 
 def int8_round_trip(x: jax.Array) -> jax.Array:
@@ -28,10 +27,9 @@ def int8_round_trip(x: jax.Array) -> jax.Array:
         `[B, T, K, H]` in `x`'s dtype: `round(x / s) * s`, `s = max|x| / 127` over H (an
         all-zero head keeps zeros).
     """
-    x32 = x.astype(jnp.float32)  # [B, T, K, H]
-    scale = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / INT8_MAX  # [B, T, K, 1]
-    scale = jnp.where(scale > 0, scale, 1.0)
-    return (jnp.clip(jnp.round(x32 / scale), -INT8_MAX, INT8_MAX) * scale).astype(x.dtype)
+    # The cache's own quantizer and dequantizer, so the two can never drift apart.
+    values, scales = quantize_kv_rows(x)  # [B, T, K, H] int8, [B, T, K]
+    return dequantize_pages(values, scales).astype(x.dtype)  # [B, T, K, H]
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_cache_dtype: str | None = None) -> int:
