@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxinfer.cli import main as jaxinfer_main
 from jaxinfer.config import get_preset
@@ -59,8 +60,8 @@ def test_save_and_load_round_trip_every_array(saved):
         if before.is_quantized:
             assert (after.layer.format, after.layer.bits, after.layer.group_size) == (
                 before.layer.format, before.layer.bits, before.layer.group_size)
-    for left, right in zip(jax.tree.leaves(jax.tree.map(np.asarray, _state(quantized))),
-                           jax.tree.leaves(jax.tree.map(np.asarray, _state(loaded))),
+    for left, right in zip(jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(quantized))),
+                           jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(loaded))),
                            strict=True):
         assert left.dtype == right.dtype
         np.testing.assert_array_equal(left, right)
@@ -68,12 +69,6 @@ def test_save_and_load_round_trip_every_array(saved):
     assert loaded.layers[1].mlp.down_proj.format == "int8"
     with pytest.raises(ValueError, match="quantized checkpoint"):
         load_model(directory, dtype="bfloat16")
-
-
-def _state(model):
-    from flax import nnx
-
-    return nnx.state(model)
 
 
 def test_llm_greedy_output_equals_the_reference_path(saved):
