@@ -314,6 +314,9 @@ def _run_quantize(args: argparse.Namespace) -> int:
                                    "FILE")
             tokenizer = load_tokenizer(resolve_model_path(args.model))
             text = Path(args.calib).read_text(encoding="utf-8")
+            # Only the first calib_tokens tokens are used; 16 characters a token is a
+            # generous bound, so a large file is not tokenized whole.
+            text = text[:16 * args.calib_tokens]
             windows = calibration_windows(tokenizer.encode(text), args.calib_window,
                                           args.calib_tokens)
         model = load_model(args.model)

@@ -93,7 +93,9 @@ def test_quantize_model_follows_the_rules(model):
     assert not any(site.is_quantized for site in linear_sites(model))
 
 
-@pytest.mark.parametrize("scheme_name", ["int8", "int4-g32-asym"])
+@pytest.mark.parametrize("scheme_name", [
+    pytest.param("int8", marks=pytest.mark.slow),  # the layer tests cover int8 already
+    "int4-g32-asym"])
 def test_quantized_model_equals_its_dequantized_copy(model, scheme_name):
     config = QuantizationConfig(method="rtn", rules=(QuantizationRule(r".",
                                                                       SCHEMES[scheme_name]),))
