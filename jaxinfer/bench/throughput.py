@@ -52,6 +52,7 @@ class EngineSettings:
             max_num_seqs it fixes how many programs warm-up compiles.
         enable_prefix_caching: Share KV pages of identical prompt blocks.
         bucket_growth: Ratio of consecutive buckets (2 pads least, 4 compiles fewer programs).
+        kv_cache_dtype: "int8" for the quantized KV cache; None: the model's compute dtype.
     """
 
     page_size: int = 16
@@ -60,6 +61,7 @@ class EngineSettings:
     min_token_bucket: int = 64
     enable_prefix_caching: bool = False
     bucket_growth: int = 2
+    kv_cache_dtype: str | None = None
 
 
 def load_bench_model(model: str, **config_overrides: Any) -> Transformer:
@@ -91,7 +93,8 @@ def build_engine(model: Transformer, settings: EngineSettings, max_model_len: in
         page_size=settings.page_size, max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs, max_model_len=pages * settings.page_size,
         enable_prefix_caching=settings.enable_prefix_caching, enable_prompt_logprobs=False,
-        min_token_bucket=settings.min_token_bucket, bucket_growth=settings.bucket_growth))
+        min_token_bucket=settings.min_token_bucket, bucket_growth=settings.bucket_growth,
+        kv_cache_dtype=settings.kv_cache_dtype))
 
 
 # ---------------------------------------------------------------------- engine adapters
