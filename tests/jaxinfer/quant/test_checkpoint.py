@@ -83,7 +83,6 @@ def test_llm_greedy_output_equals_the_reference_path(saved):
     assert [output.outputs[0].token_ids for output in outputs] == expected
 
 
-@pytest.mark.slow  # the serving test runs `jaxinfer quantize` in the default run already
 def test_quantize_and_eval_ppl_commands(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("The list type is a mutable sequence. A dictionary maps keys to values. "
