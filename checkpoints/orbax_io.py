@@ -48,6 +48,7 @@ def restore_model(
     *,
     mesh: Mesh | None = None,
     layout: str | tuple = "tensor_parallel",
+    abstract: Transformer | None = None,
 ) -> Transformer:
     """Restores a model saved by `save_model`, onto `mesh` under `layout` if given.
 
@@ -56,10 +57,16 @@ def restore_model(
         mesh: Target mesh; any shape whose axes divide the parameters. None restores onto
             the default device.
         layout: Sharding layout for `mesh`.
+        abstract: The abstract module tree to restore into, when the saved model is not the
+            config's plain float model (a quantized one, whose projections are modules of
+            integer arrays); only onto the default device (no mesh).
     """
     directory = Path(directory).absolute()
     config = read_config(directory)
-    graphdef, abstract_state = nnx.split(abstract_model(config))
+    if abstract is not None and mesh is not None:
+        raise ValueError(f"{directory}: restoring a non-default model structure onto a mesh "
+                         "is not supported; restore it without mesh")
+    graphdef, abstract_state = nnx.split(abstract or abstract_model(config))
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, abstract_state)

@@ -14,6 +14,16 @@ one object `{"token_ids": [...], "text": "..."}` is printed for the generated pa
 
 Both print a markdown table; `--output-json PATH` writes the numbers and `--markdown PATH`
 appends a report section (command, machine, date, numbers). See `jaxinfer.bench`.
+
+    jaxinfer quantize --model M --method rtn|gptq|smoothquant --bits 8|4|3
+                      [--group-size G] [--asymmetric] [--calib FILE] --out DIR
+    jaxinfer eval ppl --model M --data FILE [--window 256] [--stride S]
+                      [--kv-cache-dtype int8] [--json]
+
+`quantize` writes a quantized checkpoint (`jaxinfer.quant.checkpoint`) that every `--model`
+flag, `LLM(model=DIR)` and `jaxinfer serve` load; GPTQ and SmoothQuant calibrate on the text
+of `--calib`. `eval ppl` prints the sliding-window perplexity of the text in `--data`; with
+`--json`, one line `{"ppl": ..., "tokens": ...}`.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import importlib.metadata
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class CommandError(Exception):
@@ -266,6 +277,123 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_quantize(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "quantize", help="write a quantized checkpoint (RTN, GPTQ or SmoothQuant)",
+        description="Quantize a model's linear weights and write a checkpoint that "
+                    "--model, LLM(model=DIR) and jaxinfer serve load directly. The LM head "
+                    "and the embedding stay in floating point.")
+    parser.add_argument("--model", required=True,
+                        help="HF checkpoint directory, jaxinfer checkpoint or builtin:demo")
+    parser.add_argument("--method", choices=("rtn", "gptq", "smoothquant"), required=True,
+                        help="round-to-nearest, GPTQ, or SmoothQuant W8A8")
+    parser.add_argument("--bits", type=int, choices=(8, 4, 3), default=8,
+                        help="8: int8 per output channel (W8A8 for smoothquant); 4 or 3: "
+                             "group-wise in packed nibbles")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="input rows per scale for 4 and 3 bits (default 128)")
+    parser.add_argument("--asymmetric", action="store_true",
+                        help="zero points per group (4 and 3 bits)")
+    parser.add_argument("--calib", metavar="FILE",
+                        help="calibration text (needed by gptq and smoothquant)")
+    parser.add_argument("--calib-tokens", type=int, default=16384,
+                        help="calibration tokens used (windows of --calib-window)")
+    parser.add_argument("--calib-window", type=int, default=256,
+                        help="tokens per calibration sequence")
+    parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration "
+                        "strength")
+    parser.add_argument("--damping", type=float, default=0.01,
+                        help="GPTQ damping, a fraction of the mean Hessian diagonal")
+    parser.add_argument("--no-act-order", action="store_true",
+                        help="GPTQ: process columns in their order, not by Hessian diagonal")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.set_defaults(handler=_run_quantize)
+
+
+def _run_quantize(args: argparse.Namespace) -> int:
+    from jaxinfer.model_loading import load_model, resolve_model_path
+    from jaxinfer.quant.checkpoint import save_quantized_model
+    from jaxinfer.quant.config import QuantizationConfig
+    from jaxinfer.quant.methods import apply_method, calibration_windows
+    from jaxinfer.tokenizer import load_tokenizer
+
+    try:
+        config = QuantizationConfig.for_method(
+            args.method, bits=args.bits, group_size=args.group_size,
+            symmetric=not args.asymmetric, smoothquant_alpha=args.alpha,
+            gptq_damping=args.damping, gptq_act_order=not args.no_act_order)
+        windows = None
+        if args.method != "rtn":
+            if args.calib is None:
+                raise CommandError(f"--method {args.method} calibrates on text: give --calib "
+                                   "FILE")
+            tokenizer = load_tokenizer(resolve_model_path(args.model))
+            text = Path(args.calib).read_text(encoding="utf-8")
+            # Only the first calib_tokens tokens are used; 16 characters a token is a
+            # generous bound, so a large file is not tokenized whole.
+            text = text[:16 * args.calib_tokens]
+            windows = calibration_windows(tokenizer.encode(text), args.calib_window,
+                                          args.calib_tokens)
+        model = load_model(args.model)
+        quantized = apply_method(model, config, windows)
+        source = resolve_model_path(args.model)
+        out = save_quantized_model(quantized, config, args.out,
+                                   tokenizer_directory=source if source.is_dir() else None)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        raise CommandError(str(error)) from None
+    print(f"wrote {args.method} {args.bits}-bit checkpoint to {out}")
+    return 0
+
+
+def _add_eval(subparsers: argparse._SubParsersAction) -> None:
+    evaluate = subparsers.add_parser("eval", help="evaluate a model (perplexity)",
+                                     description="Evaluate a model.")
+    kinds = evaluate.add_subparsers(dest="eval_command", required=True)
+    parser = kinds.add_parser(
+        "ppl", help="sliding-window perplexity on a text file",
+        description="Perplexity of the model on the text of --data (tokenized with the "
+                    "model's tokenizer, BOS first), windows of --window tokens every "
+                    "--stride tokens; each token is scored once.")
+    parser.add_argument("--model", required=True,
+                        help="HF checkpoint directory, jaxinfer (or quantized) checkpoint, "
+                             "builtin:demo")
+    parser.add_argument("--data", required=True, metavar="FILE", help="text file")
+    parser.add_argument("--window", type=int, default=256, help="tokens per window")
+    parser.add_argument("--stride", type=int, default=None,
+                        help="tokens between window starts (default: --window)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="score only the first N tokens of the text")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    parser.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "int8"),
+                        default=None,
+                        help="score through a paged KV cache of this dtype, as the engine "
+                             "runs (default: no cache, keys at compute precision)")
+    parser.add_argument("--json", action="store_true",
+                        help='print one line {"ppl": ..., "tokens": ...}')
+    parser.set_defaults(handler=_run_eval_ppl)
+
+
+def _run_eval_ppl(args: argparse.Namespace) -> int:
+    from jaxinfer.model_loading import load_model, resolve_model_path
+    from jaxinfer.perplexity import perplexity
+    from jaxinfer.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(resolve_model_path(args.model))
+        text = Path(args.data).read_text(encoding="utf-8")
+        token_ids = tokenizer.encode(text)[:args.max_tokens]
+        model = load_model(args.model)
+        result = perplexity(model, token_ids, window=args.window, stride=args.stride,
+                            batch_size=args.batch_size, kv_cache_dtype=args.kv_cache_dtype)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        raise CommandError(str(error)) from None
+    if args.json:
+        print(json.dumps({"ppl": result.ppl, "tokens": result.tokens}))
+    else:
+        print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="jaxinfer",
@@ -273,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     bench_kinds = _add_bench(subparsers)
+    _add_quantize(subparsers)
+    _add_eval(subparsers)
     _add_plugins(subparsers, bench_kinds)
     return parser
 
@@ -298,7 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except CommandError as error:
-        command = " ".join(filter(None, (args.command, getattr(args, "bench_command", None))))
+        command = " ".join(filter(None, (args.command, getattr(args, "bench_command", None),
+                                         getattr(args, "eval_command", None))))
         print(f"jaxinfer {command}: error: {error}", file=sys.stderr)
         return 2
 

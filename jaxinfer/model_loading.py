@@ -15,6 +15,7 @@ from checkpoints.hf import CONFIG_FILE
 from checkpoints.orbax_io import CONFIG_FILE as ORBAX_CONFIG_FILE
 from jaxinfer.config import PRESETS, get_preset
 from jaxinfer.models import Transformer, create_model
+from jaxinfer.quant.checkpoint import is_quantized_checkpoint, restore_quantized_model
 
 # Models trained by `train_distill` and shipped inside the package (see its README.md).
 BUILTIN_DIRECTORY = Path(__file__).parent / "builtin_models"
@@ -43,7 +44,8 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
 
     Args:
         model: A Hugging Face checkpoint directory (config.json + safetensors), a directory
-            written by `checkpoints.save_model`, `builtin:demo` or
+            written by `checkpoints.save_model` or by `jaxinfer.quant.save_quantized_model`
+            (a quantized model), `builtin:demo` or
             `builtin:demo-draft` (the shipped demo models), or `random:PRESET` for a randomly
             initialized preset.
         mesh: Optional device mesh to place the parameters on.
@@ -63,6 +65,11 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
     path = resolve_model_path(name)
     if (path / CONFIG_FILE).exists():
         return load_hf_checkpoint(path, mesh=mesh, layout=layout, **config_overrides)
+    if is_quantized_checkpoint(path):
+        if config_overrides or mesh is not None:
+            raise ValueError(f"{path} is a quantized checkpoint: it loads as saved, onto one "
+                             f"device (no config overrides {sorted(config_overrides)}, no mesh)")
+        return restore_quantized_model(path)
     if (path / ORBAX_CONFIG_FILE).exists():
         if config_overrides:
             raise ValueError(f"{path}: config overrides {sorted(config_overrides)} apply to "

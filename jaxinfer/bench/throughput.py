@@ -54,6 +54,7 @@ class EngineSettings:
         bucket_growth: Ratio of consecutive buckets (2 pads least, 4 compiles fewer programs).
         speculative: The engine's `speculative` option (e.g. `{"method": "ngram",
             "num_tokens": 4}`), or None for plain decoding.
+        kv_cache_dtype: "int8" for the quantized KV cache; None: the model's compute dtype.
     """
 
     page_size: int = 16
@@ -63,6 +64,7 @@ class EngineSettings:
     enable_prefix_caching: bool = False
     bucket_growth: int = 2
     speculative: dict[str, Any] | None = None
+    kv_cache_dtype: str | None = None
 
 
 def load_bench_model(model: str, **config_overrides: Any) -> Transformer:
@@ -95,7 +97,7 @@ def build_engine(model: Transformer, settings: EngineSettings, max_model_len: in
         max_num_seqs=settings.max_num_seqs, max_model_len=pages * settings.page_size,
         enable_prefix_caching=settings.enable_prefix_caching, enable_prompt_logprobs=False,
         min_token_bucket=settings.min_token_bucket, bucket_growth=settings.bucket_growth,
-        speculative=settings.speculative))
+        speculative=settings.speculative, kv_cache_dtype=settings.kv_cache_dtype))
 
 
 def speculative_summary(engine: Engine) -> dict[str, float] | None:

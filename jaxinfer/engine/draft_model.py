@@ -117,7 +117,7 @@ class DraftModelProposer:
         self._sequences: dict[str, DraftSequence] = {}
         self.num_steps = 0
         self.seconds = 0.0
-        self._decode = jax.jit(self._decode_loop, donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_loop, donate_argnums=(1, 2))
 
     @property
     def compilations(self) -> int:
@@ -272,24 +272,27 @@ class DraftModelProposer:
             params, self.runner.model_config.vocab_size,
             prompt_token_ids=[sequence.request.prompt_token_ids for sequence, _, _ in work],
             output_token_ids=[()] * len(work), batch_size=num_seqs)
-        self.runner.pages, tokens, probs = self._decode(
-            self.runner.state, self.runner.pages, first_tokens, positions, counts,
+        self.runner.pages, self.runner.scales, tokens, probs = self._decode(
+            self.runner.state, self.runner.pages, self.runner.scales, first_tokens, positions,
+            counts,
             page_indices, np.asarray([len(work)], np.int32), sampling, seeds, draw_index)
         return jax.device_get((tokens, probs))
 
     def _decode_loop(self, state: nnx.State, pages: tuple[jax.Array, ...],
-                     first_tokens: jax.Array, positions: jax.Array, counts: jax.Array,
+                     scales: tuple[jax.Array, ...] | None, first_tokens: jax.Array,
+                     positions: jax.Array, counts: jax.Array,
                      page_indices: jax.Array, num_seqs: jax.Array, sampling: SamplingArrays,
                      seeds: jax.Array, draw_index: jax.Array
-                     ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+                     ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None,
+                                jax.Array, jax.Array]:
         """k - 1 one-token drafter steps on device: feed x_j at its position, draw x_{j+1}.
 
         Rows past `counts` (or past `num_seqs`) keep computing but write no page slot, so
         every row has the same shapes and the loop compiles once per sequence bucket.
 
         Returns:
-            The updated pages, `[S, k - 1]` drawn tokens and `[S, k - 1, V]` their
-            distributions (zeros when every row is greedy).
+            The updated pages and (int8 cache) scales, `[S, k - 1]` drawn tokens and
+            `[S, k - 1, V]` their distributions (zeros when every row is greedy).
         """
         model = nnx.merge(self.runner.graphdef, state)
         rows = first_tokens.shape[0]
@@ -309,8 +312,9 @@ class DraftModelProposer:
             batch = PagedBatch(slots.astype(jnp.int32), kv_lens, page_indices, cu_q_lens,
                                num_seqs)
             hidden, cache = model.hidden_states(token[None], position[None],
-                                                PagedKVCache(pages, batch))  # [1, S, D]
-            pages = cache.layers
+                                                PagedKVCache(pages, batch,
+                                                             scales))  # [1, S, D]
+            pages, scales = cache.layers, cache.scales
             logits = model.logits(hidden)[0]  # [S, V]
             keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed),
                                                                    index))(
@@ -321,7 +325,7 @@ class DraftModelProposer:
                 jnp.all(greedy_rows(sampling)),
                 functools.partial(jnp.zeros, logits.shape, jnp.float32),
                 functools.partial(sampling_probabilities, logits, sampling)))  # [S, V]
-        return pages, jnp.stack(drawn, axis=1), jnp.stack(distributions, axis=1)
+        return pages, scales, jnp.stack(drawn, axis=1), jnp.stack(distributions, axis=1)
 
     def _describe(self, sequence: DraftSequence, chunk: list[int],
                   needs_sample: bool) -> ScheduledRequest:

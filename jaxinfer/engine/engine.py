@@ -73,6 +73,8 @@ class EngineConfig:
         enable_prompt_logprobs: Compile the step variant that can return prompt logprobs
             (doubles warm-up); requests asking for them are rejected without it.
         cache_dtype: KV page dtype; None means the model's compute dtype.
+        kv_cache_dtype: "int8" quantizes the KV cache (int8 pages, one float32 scale per
+            token and KV head, attention reads them back); None keeps `cache_dtype`.
         min_token_bucket: The smallest padded token count of a step.
         bucket_growth: Ratio of consecutive token and sequence buckets (2 pads least; 4
             compiles fewer programs, so warm-up is faster).
@@ -88,9 +90,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_prompt_logprobs: bool = True
     cache_dtype: str | None = None
+    kv_cache_dtype: str | None = None
     min_token_bucket: int = 8
     bucket_growth: int = 2
     speculative: SpeculativeConfig | Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in (None, "int8"):
+            raise ValueError(f"kv_cache_dtype = {self.kv_cache_dtype!r}: None or 'int8'")
+        if self.kv_cache_dtype is not None and self.cache_dtype is not None:
+            raise ValueError(f"give cache_dtype ({self.cache_dtype!r}) or kv_cache_dtype "
+                             f"({self.kv_cache_dtype!r}), not both")
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """This config with the None fields filled in for a model."""
@@ -244,7 +254,8 @@ class Engine:
             num_pages=config.num_pages, page_size=config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            cache_dtype=config.cache_dtype, min_token_bucket=config.min_token_bucket,
+            cache_dtype=config.kv_cache_dtype or config.cache_dtype,
+            min_token_bucket=config.min_token_bucket,
             enable_prompt_logprobs=config.enable_prompt_logprobs,
             bucket_growth=config.bucket_growth,
             num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0,

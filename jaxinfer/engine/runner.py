@@ -66,7 +66,8 @@ class RunnerConfig:
         max_num_batched_tokens: The largest token bucket (the scheduler's token budget).
         max_num_seqs: The largest sequence bucket.
         max_model_len: Longest sequence; fixes the page-table width.
-        cache_dtype: KV page dtype (default: the model's compute dtype).
+        cache_dtype: KV page dtype (default: the model's compute dtype); "int8" keeps int8
+            pages with a float32 scale per token and KV head.
         min_token_bucket: The smallest token bucket.
         max_logprobs: K, the top logprobs computed per token when a request asks for any.
         enable_prompt_logprobs: Compile (and allow) the step that returns prompt logprobs.
@@ -210,26 +211,29 @@ class ModelRunner:
         cache = PagedKVCache.create(model.config, config.num_pages, config.page_size, empty,
                                     dtype=config.cache_dtype)
         self.pages = cache.layers
+        self.scales = cache.scales  # None unless the cache is int8
         self._step = jax.jit(functools.partial(self._device_step, with_prompt_logprobs=False),
-                             donate_argnums=(1,))
+                             donate_argnums=(1, 2))
         self._prompt_step = jax.jit(
             functools.partial(self._device_step, with_prompt_logprobs=True),
-            donate_argnums=(1,))
+            donate_argnums=(1, 2))
         self.warm_up_seconds: float | None = None
 
     # ------------------------------------------------------------------ device step
 
     def _device_step(self, state: nnx.State, pages: tuple[jax.Array, ...],
-                     token_ids: jax.Array, positions: jax.Array, batch: PagedBatch,
+                     scales: tuple[jax.Array, ...] | None, token_ids: jax.Array,
+                     positions: jax.Array, batch: PagedBatch,
                      last_token_index: jax.Array, sampling: SamplingArrays, seeds: jax.Array,
                      output_index: jax.Array, want_logprobs: jax.Array,
                      next_token_ids: jax.Array, draft_token_ids: jax.Array,
                      num_draft_tokens: jax.Array, draft_probs: jax.Array | None, *,
                      with_prompt_logprobs: bool
-                     ) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
+                     ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None,
+                                dict[str, jax.Array]]:
         model = nnx.merge(self.graphdef, state)
         hidden, cache = model.hidden_states(token_ids[None], positions[None],
-                                            PagedKVCache(pages, batch))  # [1, T, D]
+                                            PagedKVCache(pages, batch, scales))  # [1, T, D]
         result: dict[str, jax.Array] = {}
         if with_prompt_logprobs:
             all_logits = model.logits(hidden)[0]  # [T, V]
@@ -265,7 +269,7 @@ class ModelRunner:
                                         draft_token_ids, num_draft_tokens, draft_probs)
             result.update(spec_tokens=verification.token_ids,
                           num_accepted=verification.num_accepted)
-        return cache.layers, result
+        return cache.layers, cache.scales, result
 
     def _verify(self, model: Transformer, hidden: jax.Array, last_token_index: jax.Array,
                 sampling: SamplingArrays, keys: jax.Array, draft_token_ids: jax.Array,
@@ -394,8 +398,8 @@ class ModelRunner:
             raise ValueError(f"requests {sorted(wants_prompt)} ask for prompt_logprobs, which "
                              "this runner was built without (enable_prompt_logprobs=False)")
         step = self._prompt_step if wants_prompt else self._step
-        self.pages, result = step(self.state, self.pages,
-                                  *self._pack(sequences, num_tokens, num_seqs))
+        self.pages, self.scales, result = step(self.state, self.pages, self.scales,
+                                               *self._pack(sequences, num_tokens, num_seqs))
         result = jax.device_get(result)
         sampled, prompt, speculated = {}, {}, {}
         offset = 0
@@ -434,8 +438,9 @@ class ModelRunner:
                 if num_seqs > num_tokens:
                     continue  # a step never has more sequences than tokens
                 for step in steps:
-                    self.pages, result = step(self.state, self.pages,
-                                              *self._pack([], num_tokens, num_seqs))
+                    self.pages, self.scales, result = step(
+                        self.state, self.pages, self.scales,
+                        *self._pack([], num_tokens, num_seqs))
         jax.block_until_ready(result)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds

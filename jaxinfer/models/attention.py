@@ -16,10 +16,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import cached_key_value, dtype_of, linear_input, make_param
+from jaxinfer.models.layers import (
+    cached_key_value,
+    dtype_of,
+    is_quantized,
+    linear_input,
+    make_param,
+)
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import constrain
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_to_pages
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    write_to_pages,
+    write_to_quantized_pages,
+)
 
 _MASKED = -1e30  # Large negative rather than -inf so fully masked rows stay finite.
 
@@ -43,10 +53,12 @@ class PagedBatch(NamedTuple):
 
 
 class PagedLayerCache(NamedTuple):
-    """One layer's pages `[P, page_size, 2K, H]` and the batch that reads and writes them."""
+    """One layer's pages `[P, page_size, 2K, H]` and the batch that reads and writes them;
+    for an int8 cache, also its float32 scales `[P, page_size, 2K]`."""
 
     pages: jax.Array
     batch: PagedBatch
+    scales: jax.Array | None = None
 
 
 def dot_product_attention(
@@ -108,8 +120,12 @@ class Attention(nnx.Module):
         else:
             self.q_bias = self.k_bias = self.v_bias = None
 
-    def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(self.dtype))  # [B, T, N|K, H]
+    def _project(self, x: jax.Array, kernel: nnx.Param | nnx.Module,
+                 bias: nnx.Param | None) -> jax.Array:
+        if is_quantized(kernel):
+            out = kernel(x)  # [B, T, N|K, H]
+        else:
+            out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(self.dtype))  # [B,T,N|K,H]
         if bias is not None:
             out = out + bias[...].astype(self.dtype)
         return out
@@ -168,6 +184,8 @@ class Attention(nnx.Module):
         """`[B, T, N, H]` attention outputs to `[B, T, D]` through o_proj."""
         attended = linear_input(attended)  # [B, T, N, H]
         batch, length, num_heads, head_dim = attended.shape
+        if is_quantized(self.o_proj):
+            return self.o_proj(attended.reshape(batch, length, num_heads * head_dim))
         weight = self.o_proj[...].astype(self.dtype)  # [N, H, D]
         # One [N*H, D] matmul: contracting (n, h) as two einsum axes made XLA on CPU copy a
         # transposed o_proj in every step.
@@ -176,13 +194,24 @@ class Attention(nnx.Module):
 
     def _paged(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
                cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:
-        """Writes this step's K/V into the pages, then ragged paged attention over them."""
-        pages = write_to_pages(cache.pages, keys[0], values[0],
-                               cache.batch.slot_mapping)  # [P, page_size, 2K, H]
+        """Writes this step's K/V into the pages, then ragged paged attention over them.
+
+        An int8 pool (with scales) quantizes the new rows as it writes them, and attention
+        dequantizes the rows it reads; a float pool is read in the compute dtype.
+        """
         batch = cache.batch
+        if cache.scales is None:
+            pages = write_to_pages(cache.pages, keys[0], values[0],
+                                   batch.slot_mapping)  # [P, page_size, 2K, H]
+            scales, read = None, pages.astype(self.dtype)
+        else:
+            pages, scales = write_to_quantized_pages(
+                cache.pages, cache.scales, keys[0], values[0],
+                batch.slot_mapping)  # [P, page_size, 2K, H] int8, [P, page_size, 2K]
+            read = pages
         attended = ragged_paged_attention(
-            queries[0], pages.astype(self.dtype), batch.kv_lens, batch.page_indices,
-            batch.cu_q_lens, batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
-            sliding_window=self.sliding_window)[None]  # [1, T, N, H]
+            queries[0], read, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
+            batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
+            sliding_window=self.sliding_window, kv_scales=scales)[None]  # [1, T, N, H]
         out = self._output_projection(attended)
-        return out, PagedLayerCache(pages, batch)  # [1, T, D]
+        return out, PagedLayerCache(pages, batch, scales)  # [1, T, D]

@@ -90,6 +90,15 @@ def cached_key_value(x: jax.Array) -> jax.Array:
     return x if _KV_HOOK is None else _KV_HOOK(x)
 
 
+def is_quantized(weight: nnx.Variable | nnx.Module) -> bool:
+    """Whether a weight attribute holds a quantized linear layer instead of a float parameter.
+
+    `jaxinfer.quant` replaces a projection's parameter with a module (`QuantizedLinear`)
+    that maps `[..., K]` inputs to the parameter's output axes; the forward calls it then.
+    """
+    return not isinstance(weight, nnx.Variable)
+
+
 def dtype_of(name: str) -> jnp.dtype:
     """Maps a config dtype name ("float32", "bfloat16", ...) to a jnp dtype."""
     return jnp.dtype(name)
@@ -156,8 +165,14 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = linear_input(x)  # [B, T, D]
-        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))  # [B, T, F]
-        up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))  # [B, T, F]
+        gate = self._project("btd,df->btf", x, self.gate_proj)  # [B, T, F]
+        up = self._project("btd,df->btf", x, self.up_proj)  # [B, T, F]
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))  # [B, T, F]
         hidden = linear_input(hidden)  # [B, T, F]
-        return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(self.dtype))
+        return self._project("btf,fd->btd", hidden, self.down_proj)  # [B, T, D]
+
+    def _project(self, equation: str, x: jax.Array, weight: nnx.Param | nnx.Module
+                 ) -> jax.Array:
+        if is_quantized(weight):
+            return weight(x)
+        return jnp.einsum(equation, x, weight[...].astype(self.dtype))

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import Attention, LayerCache, PagedBatch, PagedLayerCache
-from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_norm, make_param
+from jaxinfer.models.layers import MLP, Embedding, dtype_of, is_quantized, make_norm, make_param
 from jaxinfer.models.moe import MoEBlock
 from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
 
@@ -40,19 +40,29 @@ class KVCache(NamedTuple):
 
 class PagedKVCache(NamedTuple):
     """The engine's page pool: one `[P, page_size, 2K, H]` array per layer (page p is the same
-    slot of the same tokens in every layer), plus the step's `PagedBatch`."""
+    slot of the same tokens in every layer), plus the step's `PagedBatch`.
+
+    An int8 pool also holds one float32 `[P, page_size, 2K]` scale array per layer: one
+    scale per token and (interleaved) K/V head over head_dim, symmetric absmax / 127
+    (`pallas_kernels.ragged_paged_attention.write_to_quantized_pages`).
+    """
 
     layers: tuple[jax.Array, ...]
     batch: PagedBatch
+    scales: tuple[jax.Array, ...] | None = None
 
     @classmethod
     def create(cls, config: ModelConfig, num_pages: int, page_size: int,
                batch: PagedBatch, dtype: str | None = None) -> PagedKVCache:
-        """Allocates a zeroed pool of `num_pages` pages per layer."""
+        """Allocates a zeroed pool of `num_pages` pages per layer; `dtype="int8"` gives the
+        quantized pool with its scales."""
         shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
         cache_dtype = dtype_of(dtype or config.dtype)
-        return cls(tuple(jnp.zeros(shape, cache_dtype) for _ in range(config.num_layers)),
-                   batch)
+        layers = tuple(jnp.zeros(shape, cache_dtype) for _ in range(config.num_layers))
+        scales = None
+        if cache_dtype == jnp.int8:
+            scales = tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(config.num_layers))
+        return cls(layers, batch, scales)
 
 
 AnyCache = KVCache | PagedKVCache
@@ -62,7 +72,8 @@ def _layer_cache(cache: AnyCache | None, index: int) -> LayerCache | PagedLayerC
     if cache is None:
         return None
     if isinstance(cache, PagedKVCache):
-        return PagedLayerCache(cache.layers[index], cache.batch)
+        scales = None if cache.scales is None else cache.scales[index]
+        return PagedLayerCache(cache.layers[index], cache.batch, scales)
     return cache.layers[index]
 
 
@@ -70,7 +81,8 @@ def _rebuild_cache(cache: AnyCache | None, layers: list) -> AnyCache | None:
     if cache is None:
         return None
     if isinstance(cache, PagedKVCache):
-        return PagedKVCache(tuple(layer.pages for layer in layers), cache.batch)
+        scales = None if cache.scales is None else tuple(layer.scales for layer in layers)
+        return PagedKVCache(tuple(layer.pages for layer in layers), cache.batch, scales)
     return KVCache(tuple(layers))
 
 
@@ -124,6 +136,14 @@ class Transformer(nnx.Module):
             self.lm_head = make_param(rngs, (config.hidden_size, config.vocab_size),
                                       ("embed", "vocab"), param_dtype)
 
+    def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
+        """`[B, T]` token ids to the `[B, T, D]` residual stream entering the first block
+        (the embedding, then OSP's input projection if the model has one)."""
+        x = self.embed(token_ids)  # [B, T, D]
+        if self.input_projection is not None:
+            x = jnp.einsum("btd,de->bte", x, self.input_projection[...].astype(x.dtype))
+        return constrain(x, ("batch", "length", "act_embed"))  # [B, T, D]
+
     def hidden_states(
         self,
         token_ids: jax.Array,
@@ -146,10 +166,7 @@ class Transformer(nnx.Module):
         Returns:
             `([B, T, D]` final hidden states, the updated cache or None`)`.
         """
-        x = self.embed(token_ids)  # [B, T, D]
-        if self.input_projection is not None:
-            x = jnp.einsum("btd,de->bte", x, self.input_projection[...].astype(x.dtype))
-        x = constrain(x, ("batch", "length", "act_embed"))  # [B, T, D]
+        x = self.embed_tokens(token_ids)  # [B, T, D]
         if intermediates is not None:
             intermediates.append(x)
         new_layers = []
@@ -169,6 +186,8 @@ class Transformer(nnx.Module):
         """Projects `[B, T, D]` hidden states to `[B, T, V]` float32 logits."""
         if self.lm_head is None:
             logits = self.embed.attend(hidden)  # [B, T, V]
+        elif is_quantized(self.lm_head):
+            logits = self.lm_head(hidden).astype(jnp.float32)  # [B, T, V]
         else:
             weight = self.lm_head[...].astype(hidden.dtype)  # [D, V]
             logits = jnp.einsum("btd,dv->btv", hidden, weight,

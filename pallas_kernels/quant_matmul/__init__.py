@@ -37,6 +37,9 @@ class QuantizedWeight:
         scales: float32 `[N]`, or for "int4" `[K // group_size, N]`.
         zeros: int8 `[K // group_size, N]` zero points for asymmetric "int4", else None.
         group_size: Rows per scale group for "int4", else None.
+        bits: Bit width of the values: 8 for "int8" and "w8a8"; 4, 3 or 2 for "int4"
+            (narrower grids use fewer of the nibble's levels, see
+            `reference.int4_levels`; storage and kernel are the same).
     """
 
     format: str
@@ -44,6 +47,7 @@ class QuantizedWeight:
     scales: jax.Array
     zeros: jax.Array | None = None
     group_size: int | None = None
+    bits: int | None = None
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -51,6 +55,12 @@ class QuantizedWeight:
                              f"known: {', '.join(FORMATS)}")
         if self.format == "int4" and not self.group_size:
             raise ValueError("an int4 QuantizedWeight needs group_size")
+        if self.bits is None:  # frozen dataclass: the default depends on the format
+            object.__setattr__(self, "bits", 4 if self.format == "int4" else 8)
+        allowed = (2, 3, 4) if self.format == "int4" else (8,)
+        if self.bits not in allowed:
+            raise ValueError(f"a {self.format} QuantizedWeight holds {allowed} bits, "
+                             f"got bits={self.bits}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,11 +70,12 @@ class QuantizedWeight:
 
 
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scales", "zeros"],
-                                 meta_fields=["format", "group_size"])
+                                 meta_fields=["format", "group_size", "bits"])
 
 
 def quantize_weight(
-    w: jax.Array, weight_format: str, *, group_size: int = 128, symmetric: bool = True
+    w: jax.Array, weight_format: str, *, group_size: int = 128, symmetric: bool = True,
+    bits: int | None = None,
 ) -> QuantizedWeight:
     """Quantizes a float `[K, N]` weight.
 
@@ -73,14 +84,18 @@ def quantize_weight(
         weight_format: "int8", "int4" or "w8a8".
         group_size: Rows per scale group (int4 only).
         symmetric: False gives int4 zero points (int4 only; int8 is always symmetric).
+        bits: For "int4", 4 (default), 3 or 2; int8 formats take only 8 (or None).
 
     Returns:
         The `QuantizedWeight`.
     """
     if weight_format == "int4":
+        bits = 4 if bits is None else bits
         packed, scales, zeros = reference.quantize_int4_grouped(w, group_size,
-                                                                symmetric=symmetric)
-        return QuantizedWeight("int4", packed, scales, zeros, group_size)
+                                                                symmetric=symmetric, bits=bits)
+        return QuantizedWeight("int4", packed, scales, zeros, group_size, bits)
+    if bits not in (None, 8):
+        raise ValueError(f"{weight_format} weights are 8-bit, got bits={bits}")
     if weight_format not in FORMATS:
         raise ValueError(f"unknown quantized weight format {weight_format!r}; "
                          f"known: {', '.join(FORMATS)}")

@@ -82,16 +82,77 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     return interleaved.reshape(-1, packed.shape[1]).astype(jnp.int8)  # [K, N]
 
 
+def int4_levels(bits: int, symmetric: bool) -> tuple[int, int]:
+    """The signed nibble values a `bits`-wide weight may take, as `(lowest, highest)`.
+
+    Symmetric weights use `[-(2^(b-1) - 1), 2^(b-1) - 1]` (no zero point). Asymmetric ones
+    use the `2^b` unsigned levels `[0, 2^b - 1]` shifted by -8 into the signed nibble, so
+    `value - zero` is the same whether the shift is there or not.
+
+    Raises:
+        ValueError: `bits` outside [2, 4] (narrower fits no useful grid; wider needs int8).
+    """
+    if not 2 <= bits <= 4:
+        raise ValueError(f"nibble-packed weights hold 2 to 4 bits, got bits={bits}")
+    if symmetric:
+        highest = 2 ** (bits - 1) - 1
+        return -highest, highest
+    return INT4_MIN, INT4_MIN + 2 ** bits - 1
+
+
+def grouped_quantization_parameters(
+    groups: jax.Array, bits: int, *, symmetric: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """Scales (and zero points) of weight groups, one per group and output channel.
+
+    Args:
+        groups: `[G, g, N]` float weights: G groups of g rows (the reduced axis is 1).
+        bits: Bit width, 2 to 4.
+        symmetric: True: `scale = max|w| / (2^(b-1) - 1)`, no zero point. False: the
+            group's [min, max] maps onto all `2^b` levels through a zero point.
+
+    Returns:
+        `(scales, zeros)`: `[G, N]` float32 and `[G, N]` int8 in the signed nibble domain
+        (None when symmetric).
+    """
+    groups = groups.astype(jnp.float32)  # [G, g, N]
+    lowest, highest = int4_levels(bits, symmetric)
+    if symmetric:
+        return _safe_scale(jnp.max(jnp.abs(groups), axis=1) / highest), None  # [G, N]
+    low, high = jnp.min(groups, axis=1), jnp.max(groups, axis=1)  # [G, N] each
+    scales = _safe_scale((high - low) / (highest - lowest))  # [G, N]
+    # The zero point sits on the unsigned grid [0, 2^b - 1], then shifts by -8 like the values.
+    unsigned_zeros = jnp.clip(jnp.round(-low / scales), 0, highest - lowest)  # [G, N]
+    return scales, (unsigned_zeros + lowest).astype(jnp.int8)
+
+
+def quantize_groups(
+    groups: jax.Array, scales: jax.Array, zeros: jax.Array | None, bits: int
+) -> jax.Array:
+    """Rounds `[G, g, N]` weights onto the nibble grid of given `[G, N]` scales and zeros.
+
+    Returns:
+        `[G, g, N]` int8 values in `int4_levels(bits, zeros is None)`, such that
+        `(values - zeros) * scales` is the nearest grid point to each weight (clipped).
+    """
+    lowest, highest = int4_levels(bits, zeros is None)
+    steps = jnp.round(groups.astype(jnp.float32) / scales[:, None])  # [G, g, N]
+    if zeros is not None:
+        steps = steps + zeros.astype(jnp.float32)[:, None]
+    return jnp.clip(steps, lowest, highest).astype(jnp.int8)  # [G, g, N]
+
+
 def quantize_int4_grouped(
-    w: jax.Array, group_size: int, *, symmetric: bool = True
+    w: jax.Array, group_size: int, *, symmetric: bool = True, bits: int = 4
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Group-wise int4 quantization along K, packed two values per byte.
+    """Group-wise int4 (or narrower) quantization along K, packed two values per byte.
 
     Args:
         w: `[K, N]` float weights; K a multiple of `group_size`.
         group_size: Rows sharing one scale (and zero point); even.
         symmetric: True: values in [-7, 7], no zero point. False: each group's [min, max]
             maps onto all 16 levels through a zero point.
+        bits: 4, or 3 or 2 for a coarser grid in the same nibble storage (see `int4_levels`).
 
     Returns:
         `(packed, scales, zeros)`: `[K // 2, N]` uint8, `[K // group_size, N]` float32 and
@@ -100,28 +161,17 @@ def quantize_int4_grouped(
         `scales / 2` of `w`.
 
     Raises:
-        ValueError: K is not a multiple of `group_size`, or `group_size` is odd.
+        ValueError: K is not a multiple of `group_size`, `group_size` is odd, or `bits` is
+            outside [2, 4].
     """
     k, n = w.shape
     if group_size <= 0 or group_size % 2 or k % group_size:
         raise ValueError(f"int4 group_size must be even and divide K; got K={k} "
                          f"(weight shape {w.shape}), group_size={group_size}")
     groups = w.astype(jnp.float32).reshape(k // group_size, group_size, n)  # [G, g, N]
-    if symmetric:
-        scales = _safe_scale(jnp.max(jnp.abs(groups), axis=1) / INT4_MAX)  # [G, N]
-        values = jnp.clip(jnp.round(groups / scales[:, None]), -INT4_MAX, INT4_MAX)  # [G, g, N]
-        zeros = None
-    else:
-        low, high = jnp.min(groups, axis=1), jnp.max(groups, axis=1)  # [G, N] each
-        scales = _safe_scale((high - low) / (INT4_MAX - INT4_MIN))  # [G, N]
-        # Quantize onto the unsigned levels [0, 15], then shift by 8 into the signed
-        # nibble domain; the shift cancels in `value - zero`.
-        unsigned_zeros = jnp.clip(jnp.round(-low / scales), 0, 15)  # [G, N]
-        unsigned = jnp.clip(jnp.round(groups / scales[:, None]) + unsigned_zeros[:, None],
-                            0, 15)  # [G, g, N]
-        values = unsigned + INT4_MIN  # [G, g, N]
-        zeros = (unsigned_zeros + INT4_MIN).astype(jnp.int8)  # [G, N]
-    packed = pack_int4(values.reshape(k, n).astype(jnp.int8))  # [K // 2, N]
+    scales, zeros = grouped_quantization_parameters(groups, bits, symmetric=symmetric)
+    values = quantize_groups(groups, scales, zeros, bits)  # [G, g, N]
+    packed = pack_int4(values.reshape(k, n))  # [K // 2, N]
     return packed, scales, zeros
 
 

@@ -19,14 +19,18 @@ import jax
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.reference import (
+    dequantize_pages,
+    quantize_kv_rows,
     ragged_paged_attention_reference,
     write_to_pages,
+    write_to_quantized_pages,
 )
 from pallas_kernels.ragged_paged_attention.tuning import block_sizes
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_kernel",
-           "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_to_pages"]
+__all__ = ["dequantize_pages", "quantize_kv_rows", "ragged_paged_attention",
+           "ragged_paged_attention_kernel", "ragged_paged_attention_reference",
+           "ragged_paged_attention_xla", "write_to_pages", "write_to_quantized_pages"]
 
 
 def ragged_paged_attention(
@@ -40,12 +44,14 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,
     implementation: str = "auto",
 ) -> jax.Array:
     """`[T, N, H]` attention of packed query tokens to their sequences' paged keys.
 
     See `reference.ragged_paged_attention_reference` for the arguments; `soft_cap` caps the
-    logits as `cap * tanh(s / cap)`.
+    logits as `cap * tanh(s / cap)`; `kv_scales` (`[P, page_size, 2K]` float32) marks an int8
+    pool written by `write_to_quantized_pages`.
 
     Raises:
         ValueError: An unknown implementation.
@@ -57,9 +63,10 @@ def ragged_paged_attention(
                                                     queries.shape[2])
         return ragged_paged_attention_kernel(
             *arguments, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            block_tokens=block_tokens, pages_per_block=pages_per_block,
+            kv_scales=kv_scales, block_tokens=block_tokens, pages_per_block=pages_per_block,
             interpret=dispatch.interpret_mode(choice))
     implementations = {"xla": ragged_paged_attention_xla,
                        "reference": ragged_paged_attention_reference}
     return implementations[choice](*arguments, sm_scale=sm_scale,
-                                   sliding_window=sliding_window, soft_cap=soft_cap)
+                                   sliding_window=sliding_window, soft_cap=soft_cap,
+                                   kv_scales=kv_scales)

@@ -17,6 +17,12 @@ double-buffered: block j + 1's copies are in flight while block j is computed. S
 masked causally by position, to the sequence's own rows, and to the optional sliding window,
 optionally soft-capped (`cap * tanh(s / cap)`), and folded into an online softmax (running
 max, denominator, weighted sum in f32 VMEM scratch). Rows of padding tokens stay zero.
+
+int8 KV. With `kv_scales` the pages are int8 and each block's per-token scales are copied
+beside them (`[page_size, 2]` per page: this head's key and value scales). The tile is never
+dequantized: a key's scale multiplies its score column (`q . (s k) = s (q . k)`) and a value's
+scale multiplies its probability column before the `P V` matmul, so the page bytes read stay
+one per element.
 """
 
 from __future__ import annotations
@@ -37,15 +43,8 @@ def _kernel(
     # inputs
     queries_ref,  # [1, R, H] this KV head's query rows of the tile (R = block_tokens * G)
     kv_pages_hbm,  # [P, page_size, 2K, H] the whole pool, left in HBM
-    # outputs
-    out_ref,  # [1, R, H]
-    # scratch
-    buffer,  # [2, pages_per_block, page_size, 2, H] double-buffered key/value pages
-    semaphores,  # DMA semaphores [2, pages_per_block]
-    running_max,  # [R, 1] f32
-    denominator,  # [R, 1] f32
-    accumulator,  # [R, H] f32
-    *,
+    *refs,
+    quantized: bool,
     group: int,
     block_tokens: int,
     pages_per_block: int,
@@ -54,6 +53,15 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
+    if quantized:
+        # kv_scales_hbm [P, page_size, 2K]; scale_buffer [2, pages_per_block, page_size, 2]
+        (kv_scales_hbm, out_ref, buffer, semaphores, scale_buffer, scale_semaphores,
+         running_max, denominator, accumulator) = refs
+    else:
+        out_ref, buffer, semaphores, running_max, denominator, accumulator = refs
+    # out_ref [1, R, H]; buffer [2, pages_per_block, page_size, 2, H] double-buffered key and
+    # value pages; semaphores [2, pages_per_block]; running_max, denominator [R, 1] f32;
+    # accumulator [R, H] f32.
     kv_head = pl.program_id(0)
     tile = pl.program_id(1)
     page_size = buffer.shape[2]
@@ -95,6 +103,10 @@ def _kernel(
                     result.append(pltpu.make_async_copy(
                         kv_pages_hbm.at[physical, :, pl.ds(2 * kv_head, 2), :],
                         buffer.at[slot, page], semaphores.at[slot, page]))
+                    if quantized:
+                        result.append(pltpu.make_async_copy(
+                            kv_scales_hbm.at[physical, :, pl.ds(2 * kv_head, 2)],
+                            scale_buffer.at[slot, page], scale_semaphores.at[slot, page]))
                 return result
 
             for copy in copies(first_block, first_block % 2):
@@ -117,6 +129,11 @@ def _kernel(
                 scores = jax.lax.dot_general(
                     queries, keys, (((1,), (1,)), ((), ())),
                     preferred_element_type=jnp.float32)  # [R, L]
+                if quantized:
+                    page_scales = scale_buffer[slot]  # [pages_per_block, page_size, 2]
+                    key_scales = page_scales[:, :, 0].reshape(1, block_keys)  # [1, L]
+                    value_scales = page_scales[:, :, 1].reshape(1, block_keys)  # [1, L]
+                    scores = scores * key_scales
                 if soft_cap is not None:
                     scores = soft_cap * jnp.tanh(scores / soft_cap)
                 key_position = block * block_keys + jax.lax.broadcasted_iota(
@@ -133,6 +150,8 @@ def _kernel(
                 probabilities = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [R, L]
                 denominator[...] = denominator[...] * rescale + jnp.sum(
                     probabilities, axis=1, keepdims=True)
+                if quantized:
+                    probabilities = probabilities * value_scales  # [R, L]
                 accumulator[...] = accumulator[...] * rescale + jax.lax.dot_general(
                     probabilities, values, (((1,), (0,)), ((), ())),
                     preferred_element_type=jnp.float32)  # [R, H]
@@ -159,6 +178,7 @@ def ragged_paged_attention_kernel(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,
     block_tokens: int = 16,
     pages_per_block: int = 4,
     interpret: bool | pltpu.InterpretParams = False,
@@ -176,6 +196,7 @@ def ragged_paged_attention_kernel(
         sm_scale: Softmax scale.
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (Gemma-2 style), or None.
+        kv_scales: `[P, page_size, 2K]` float32 scales of an int8 pool, or None.
         block_tokens: Packed query tokens per program.
         pages_per_block: Pages copied and computed together.
         interpret: `pallas_call`'s interpret argument (False compiles for TPU).
@@ -203,19 +224,25 @@ def ragged_paged_attention_kernel(
     regrouped = regrouped.transpose(1, 0, 2, 3).reshape(
         num_kv_heads, padded_tokens * group, head_dim)  # [K, T' * G, H]
 
+    quantized = kv_scales is not None
     kernel = functools.partial(
-        _kernel, group=group, block_tokens=block_tokens, pages_per_block=pages_per_block,
-        pages_per_seq=pages_per_seq, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap)
+        _kernel, quantized=quantized, group=group, block_tokens=block_tokens,
+        pages_per_block=pages_per_block, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap)
     row_block = pl.BlockSpec((1, rows, head_dim), lambda head, tile, *_: (head, tile, 0))
+    in_hbm = pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM)
+    page_scratch = [pltpu.VMEM((2, pages_per_block, page_size, 2, head_dim), kv_pages.dtype),
+                    pltpu.SemaphoreType.DMA((2, pages_per_block))]
+    if quantized:
+        page_scratch += [pltpu.VMEM((2, pages_per_block, page_size, 2), jnp.float32),
+                         pltpu.SemaphoreType.DMA((2, pages_per_block))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(num_kv_heads, num_tiles),
-        in_specs=[row_block, pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM)],
+        in_specs=[row_block, in_hbm] + ([in_hbm] if quantized else []),
         out_specs=row_block,
         scratch_shapes=[
-            pltpu.VMEM((2, pages_per_block, page_size, 2, head_dim), kv_pages.dtype),
-            pltpu.SemaphoreType.DMA((2, pages_per_block)),
+            *page_scratch,
             pltpu.VMEM((rows, 1), jnp.float32),
             pltpu.VMEM((rows, 1), jnp.float32),
             pltpu.VMEM((rows, head_dim), jnp.float32),
@@ -230,7 +257,7 @@ def ragged_paged_attention_kernel(
         interpret=interpret,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(max_seqs * pages_per_seq).astype(
         jnp.int32), cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), regrouped,
-      kv_pages)  # [K, T' * G, H]
+      kv_pages, *([kv_scales.astype(jnp.float32)] if quantized else []))  # [K, T' * G, H]
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(
         1, 0, 2, 3)  # [T', K, G, H]
     return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)  # [T, N, H]

@@ -13,6 +13,14 @@ Page p, row r of a sequence whose page table is `page_indices[s]` holds that seq
 at position `j * page_size + r` where `page_indices[s, j] == p`. Interleaving K and V keeps one
 token's keys and values in one contiguous row, so a kernel fetches both with one DMA.
 
+int8 KV cache: the pages may be int8, with one float32 scale per token and combined head
+
+    kv_scales: [P, page_size, 2 * K]      symmetric absmax / 127 over the head dim,
+
+so a stored row dequantizes as `kv_pages[p, r, c].astype(f32) * kv_scales[p, r, c]`. The scales
+mirror the pages without their head-dim axis, so one slot index addresses both.
+`write_to_quantized_pages` quantizes as it writes; every implementation takes `kv_scales=`.
+
 Ragged batch description (all int32):
 
     cu_q_lens: [S + 1]  query token offsets: sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
@@ -33,6 +41,27 @@ import jax.numpy as jnp
 _MASKED = -1e30  # finite, so a fully masked (padding) row stays NaN-free
 
 
+def _scatter_rows(pool: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Sets `pool[slot] = row` for a flat `[P * page_size, ...]` pool; negative slots drop."""
+    slots = slot_mapping
+    if slots.shape[0] == 1:
+        # XLA rewrites a one-row scatter into a dynamic-update-slice that, on CPU, copies the
+        # whole pool (3-4 pool copies per layer: a batch-1 decode step ran 5x slower). A second,
+        # dropped row keeps it a real scatter, which updates the donated pool in place.
+        rows = jnp.concatenate([rows, jnp.zeros_like(rows)])  # [2, ...]
+        slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])  # [2]
+    # Negative slots become out of range so that mode="drop" skips them.
+    slots = jnp.where(slots < 0, pool.shape[0], slots)  # [T]
+    return pool.at[slots].set(rows, mode="drop")
+
+
+def _interleave(keys: jax.Array, values: jax.Array) -> jax.Array:
+    """`[T, K, H]` keys and values -> `[T, 2K, H]` rows, key head k in slot 2k, value in 2k+1."""
+    num_tokens, num_kv_heads, head_dim = keys.shape
+    return jnp.stack([keys, values], axis=2).reshape(num_tokens, 2 * num_kv_heads,
+                                                     head_dim)  # [T, 2K, H]
+
+
 def write_to_pages(kv_pages: jax.Array, keys: jax.Array, values: jax.Array,
                    slot_mapping: jax.Array) -> jax.Array:
     """Writes new keys and values into their page slots.
@@ -48,20 +77,48 @@ def write_to_pages(kv_pages: jax.Array, keys: jax.Array, values: jax.Array,
         The updated `[P, page_size, 2K, H]` pool.
     """
     num_pages, page_size, combined_heads, head_dim = kv_pages.shape
-    interleaved = jnp.stack([keys, values], axis=2).reshape(
-        keys.shape[0], combined_heads, head_dim).astype(kv_pages.dtype)  # [T, 2K, H]
+    rows = _interleave(keys, values).astype(kv_pages.dtype)  # [T, 2K, H]
     flat = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)  # [P*ps, 2K, H]
-    slots = slot_mapping
-    if slots.shape[0] == 1:
-        # XLA rewrites a one-row scatter into a dynamic-update-slice that, on CPU, copies the
-        # whole pool (3-4 pool copies per layer: a batch-1 decode step ran 5x slower). A second,
-        # dropped row keeps it a real scatter, which updates the donated pool in place.
-        interleaved = jnp.concatenate([interleaved, jnp.zeros_like(interleaved)])  # [2, 2K, H]
-        slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])  # [2]
-    # Negative slots become out of range so that mode="drop" skips them.
-    slots = jnp.where(slots < 0, num_pages * page_size, slots)  # [T]
-    flat = flat.at[slots].set(interleaved, mode="drop")
-    return flat.reshape(kv_pages.shape)
+    return _scatter_rows(flat, rows, slot_mapping).reshape(kv_pages.shape)
+
+
+def quantize_kv_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per row over the last axis: `[..., H]` -> int8 `[..., H]`, f32 `[...]`."""
+    rows = rows.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(rows), axis=-1) / 127.0  # [...]
+    # An all-zero row keeps scale 0 (it dequantizes to zeros); divide by 1 there instead.
+    quantized = jnp.round(rows / jnp.where(scales > 0, scales, 1.0)[..., None])
+    return jnp.clip(quantized, -127, 127).astype(jnp.int8), scales
+
+
+def write_to_quantized_pages(kv_pages: jax.Array, kv_scales: jax.Array, keys: jax.Array,
+                             values: jax.Array,
+                             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Quantizes new keys and values to int8 (one scale per token and head) and writes them.
+
+    Args:
+        kv_pages: `[P, page_size, 2K, H]` int8 pool (one layer's).
+        kv_scales: `[P, page_size, 2K]` float32 scales of the pool's rows.
+        keys: `[T, K, H]` new float keys.
+        values: `[T, K, H]` new float values.
+        slot_mapping: `[T]` int32 flat slots; negative slots are dropped.
+
+    Returns:
+        The updated `(kv_pages, kv_scales)`.
+    """
+    num_pages, page_size, combined_heads, head_dim = kv_pages.shape
+    quantized, scales = quantize_kv_rows(_interleave(keys, values))  # [T, 2K, H], [T, 2K]
+    flat_pages = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)
+    flat_scales = kv_scales.reshape(num_pages * page_size, combined_heads)
+    return (_scatter_rows(flat_pages, quantized, slot_mapping).reshape(kv_pages.shape),
+            _scatter_rows(flat_scales, scales, slot_mapping).reshape(kv_scales.shape))
+
+
+def dequantize_pages(kv_pages: jax.Array, kv_scales: jax.Array | None) -> jax.Array:
+    """Float32 rows of (a gather of) the pool: `[..., 2K, H]` times `[..., 2K]` scales, if any."""
+    if kv_scales is None:
+        return kv_pages.astype(jnp.float32)
+    return kv_pages.astype(jnp.float32) * kv_scales[..., None].astype(jnp.float32)
 
 
 def ragged_paged_attention_reference(
@@ -75,6 +132,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
@@ -88,6 +146,7 @@ def ragged_paged_attention_reference(
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (Gemma-2 style `cap * tanh(s / cap)`), or None.
+        kv_scales: `[P, page_size, 2K]` scales of an int8 pool, or None for a float pool.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -107,10 +166,11 @@ def ragged_paged_attention_reference(
     # A token's position: the sequence's new tokens are the last q_len of its kv_len keys.
     position = kv_lens[sequence] - (cu_q_lens[sequence + 1] - token)  # [T]
 
-    gathered = kv_pages[page_indices].reshape(max_seqs, max_len, 2 * num_kv_heads,
-                                              head_dim)  # [S, L, 2K, H]
-    keys = gathered[:, :, 0::2][sequence].astype(jnp.float32)  # [T, L, K, H]
-    values = gathered[:, :, 1::2][sequence].astype(jnp.float32)  # [T, L, K, H]
+    gathered = dequantize_pages(
+        kv_pages[page_indices], None if kv_scales is None else kv_scales[page_indices]
+    ).reshape(max_seqs, max_len, 2 * num_kv_heads, head_dim)  # [S, L, 2K, H]
+    keys = gathered[:, :, 0::2][sequence]  # [T, L, K, H]
+    values = gathered[:, :, 1::2][sequence]  # [T, L, K, H]
 
     grouped = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group,
                                                   head_dim)  # [T, K, G, H]

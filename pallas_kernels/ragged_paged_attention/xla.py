@@ -29,6 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import dequantize_pages
+
 # (running max [R, K, G], denominator [R, K, G], weighted sum of values [R, K, G, H])
 Stats = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -66,8 +68,12 @@ def _soft_capped(scores: jax.Array, soft_cap: float | None) -> jax.Array:
     return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
-# Query tokens per tile of the blocked step attention (used when T is a multiple >= 2x).
+# Query tokens per tile of the blocked step attention (used when T is a multiple >= 2x), and
+# of the context walk of long chunks.
 QUERY_BLOCK = 128
+# Query tokens per tile of the context walk of short multi-token sequences (up to 8 tokens:
+# a speculative step's k + 1, a short chunk).
+SHORT_QUERY_TILE = 8
 
 
 def _step_visible(query_sequence: jax.Array, query_position: jax.Array, query_real: jax.Array,
@@ -126,6 +132,11 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
     return tuple(jnp.concatenate(parts) for parts in zip(*per_block, strict=True))
 
 
+def _pages(kv_pages: jax.Array, kv_scales: jax.Array | None, index: jax.Array) -> jax.Array:
+    """Float32 pages (or rows) at `index` of the pool, dequantized when it is int8."""
+    return dequantize_pages(kv_pages[index], None if kv_scales is None else kv_scales[index])
+
+
 # Decode sequences per page walk: the walk of a group runs to its longest member's context,
 # so sorting by length and walking groups of 16 reads ~the real keys instead of S x the
 # longest (64 sequences of 64-384 tokens: 8.8 -> 7.2 ms per layer on 2 CPU cores; smaller
@@ -133,14 +144,16 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
 DECODE_SEQUENCE_GROUP = 16
 
 
-def _decode_context_stats(kv_pages: jax.Array, page_indices: jax.Array,
-                          decode_queries: jax.Array, decode_context: jax.Array,
-                          decode_position: jax.Array, window: int | jax.Array,
-                          windowed: bool, soft_cap: float | None = None) -> Stats:
+def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
+                          page_indices: jax.Array, decode_queries: jax.Array,
+                          decode_context: jax.Array, decode_position: jax.Array,
+                          window: int | jax.Array, windowed: bool,
+                          soft_cap: float | None = None) -> Stats:
     """Earlier keys of the decode sequences: groups of similar length walk their pages.
 
     Args:
         kv_pages: `[P, page_size, 2K, H]` the pool.
+        kv_scales: `[P, page_size, 2K]` scales of an int8 pool, or None.
         page_indices: `[S, pages_per_seq]` page tables.
         decode_queries: `[S, K, G, H]` each sequence's one (scaled) query.
         decode_context: `[S]` keys before this step (0 for non-decode sequences).
@@ -172,7 +185,7 @@ def _decode_context_stats(kv_pages: jax.Array, page_indices: jax.Array,
         def decode_page(page: jax.Array, carry: Stats, context: jax.Array = context,
                         queries: jax.Array = queries, position: jax.Array = position,
                         table: jax.Array = table) -> Stats:
-            block = kv_pages[table[:, page]].astype(jnp.float32)  # [Gs, ps, 2K, H]
+            block = _pages(kv_pages, kv_scales, table[:, page])  # [Gs, ps, 2K, H]
             page_scores = _soft_capped(jnp.einsum("skgh,slkh->skgl", queries,
                                                   block[:, :, 0::2]), soft_cap)  # [Gs,K,G,ps]
             key_position = page * page_size + jnp.arange(page_size)  # [ps]
@@ -204,6 +217,7 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
@@ -218,6 +232,7 @@ def ragged_paged_attention_xla(
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (`cap * tanh(s / cap)`), or None.
+        kv_scales: `[P, page_size, 2K]` scales of an int8 pool, or None for a float pool.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -243,8 +258,10 @@ def ragged_paged_attention_xla(
     # 1. This step's keys: read back from their slots, attended block-diagonally and causally.
     slot = (page_indices[sequence, jnp.clip(position, 0) // page_size] * page_size
             + jnp.clip(position, 0) % page_size)  # [T]
-    new_kv = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)[slot].astype(
-        jnp.float32)  # [T, 2K, H]
+    flat_scales = None if kv_scales is None else kv_scales.reshape(num_pages * page_size,
+                                                                   combined_heads)
+    new_kv = _pages(kv_pages.reshape(num_pages * page_size, combined_heads, head_dim),
+                    flat_scales, slot)  # [T, 2K, H]
     new_keys, new_values = new_kv[:, 0::2], new_kv[:, 1::2]  # [T, K, H] each
     if num_tokens >= 2 * QUERY_BLOCK and num_tokens % QUERY_BLOCK == 0:
         stats = _blocked_step_attention(grouped, new_keys, new_values, sequence, position, real,
@@ -263,7 +280,7 @@ def ragged_paged_attention_xla(
     decode_queries = grouped[last_token]  # [S, K, G, H]
     decode_position = kv_lens - 1  # [S]
 
-    decode_stats = _decode_context_stats(kv_pages, page_indices, decode_queries,
+    decode_stats = _decode_context_stats(kv_pages, kv_scales, page_indices, decode_queries,
                                          decode_context, decode_position, window,
                                          sliding_window is not None, soft_cap)
     # Token t takes its sequence's row only if it is that decode sequence's one token.
@@ -273,27 +290,58 @@ def ragged_paged_attention_xla(
                  row_stats[1], row_stats[2])
     stats = _merge(stats, row_stats)
 
-    # 2b. Earlier keys of multi-token sequences that have a context: those sequences only.
+    # 2b. Earlier keys of multi-token sequences that have a context: those sequences only,
+    # and of the packed tokens only their own, in query tiles (walking every page against all
+    # T tokens cost T / q_len times the work: 8 chunks of 256 over 768 keys each took 18 s
+    # instead of ~1.4). Short ones (a speculative step's k + 1 tokens) take small tiles, long
+    # chunks `QUERY_BLOCK` ones.
     continued = real_seq & (q_lens > 1) & (context_lens > 0)  # [S]
-    order = jnp.argsort(~continued, stable=True).astype(jnp.int32)  # [S] flagged first
 
-    def continued_sequence(index: jax.Array, carry: Stats) -> Stats:
-        chosen = order[index]
-        mine = (sequence == chosen) & real  # [T]
+    def walk_pages(selected: jax.Array, tile: int, carry: Stats) -> Stats:
+        order = jnp.argsort(~selected, stable=True).astype(jnp.int32)  # [S] selected first
 
-        def context_page(page: jax.Array, inner: Stats) -> Stats:
-            block = kv_pages[page_indices[chosen, page]].astype(jnp.float32)  # [ps, 2K, H]
-            page_scores = _soft_capped(jnp.einsum("tkgh,lkh->tkgl", grouped, block[:, 0::2]),
-                                       soft_cap)  # [T, K, G, ps]
-            key_position = page * page_size + jnp.arange(page_size)  # [ps]
-            page_visible = (mine[:, None] & (key_position[None, :] < context_lens[chosen])
-                            & (position[:, None] - key_position[None, :] < window))
-            page_scores = jnp.where(page_visible[:, None, None, :], page_scores, -jnp.inf)
-            return _merge(inner, _block_stats(page_scores, block[:, 1::2], "tkgl,lkh->tkgh"))
+        def one_sequence(index: jax.Array, outer_carry: Stats) -> Stats:
+            chosen = order[index]
 
-        return jax.lax.fori_loop(0, -(-context_lens[chosen] // page_size), context_page, carry)
+            def query_tile(tile_index: jax.Array, outer: Stats) -> Stats:
+                first = cu_q_lens[chosen] + tile_index * tile  # the tile's first own token
+                # Clamped so the slice stays in bounds; rows before `first` are masked out,
+                # and merging an all-masked row leaves its statistics exactly as they were.
+                start = jnp.minimum(first, num_tokens - tile)
+                rows = start + jnp.arange(tile)  # [B]
+                mine = (rows >= first) & (rows < cu_q_lens[chosen + 1]) & real[rows]  # [B]
+                tile_queries = jax.lax.dynamic_slice_in_dim(grouped, start, tile)  # [B,K,G,H]
+                tile_position = position[rows]  # [B]
 
-    stats = jax.lax.fori_loop(0, jnp.sum(continued), continued_sequence, stats)
+                def context_page(page: jax.Array, inner: Stats) -> Stats:
+                    block = _pages(kv_pages, kv_scales,
+                                   page_indices[chosen, page])  # [ps, 2K, H]
+                    page_scores = _soft_capped(jnp.einsum(
+                        "tkgh,lkh->tkgl", tile_queries, block[:, 0::2]), soft_cap)  # [B,K,G,ps]
+                    key_position = page * page_size + jnp.arange(page_size)  # [ps]
+                    page_visible = (
+                        mine[:, None] & (key_position[None, :] < context_lens[chosen])
+                        & (tile_position[:, None] - key_position[None, :] < window))
+                    page_scores = jnp.where(page_visible[:, None, None, :], page_scores,
+                                            -jnp.inf)
+                    return _merge(inner, _block_stats(page_scores, block[:, 1::2],
+                                                      "tkgl,lkh->tkgh"))
+
+                tile_stats = jax.lax.fori_loop(
+                    0, -(-context_lens[chosen] // page_size), context_page,
+                    tuple(jax.lax.dynamic_slice_in_dim(part, start, tile) for part in outer))
+                return tuple(jax.lax.dynamic_update_slice_in_dim(part, update, start, 0)
+                             for part, update in zip(outer, tile_stats, strict=True))
+
+            return jax.lax.fori_loop(0, -(-q_lens[chosen] // tile), query_tile, outer_carry)
+
+        return jax.lax.fori_loop(0, jnp.sum(selected), one_sequence, carry)
+
+    short_tile = min(SHORT_QUERY_TILE, num_tokens)
+    stats = walk_pages(continued & (q_lens <= short_tile), short_tile, stats)
+    if num_tokens > short_tile:
+        stats = walk_pages(continued & (q_lens > short_tile), min(QUERY_BLOCK, num_tokens),
+                           stats)
 
     _, denominator, weighted = stats
     out = weighted / jnp.where(denominator > 0, denominator, 1.0)[..., None]  # [T, K, G, H]

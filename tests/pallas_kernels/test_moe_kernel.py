@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import dispatch
 from pallas_kernels.moe import (
@@ -16,13 +15,11 @@ from pallas_kernels.moe import (
     moe_ffn,
 )
 from pallas_kernels.moe import kernel as moe_kernel
+from tests.pallas_kernels.interpret import INTERPRET
 
 # Jitted once: run eagerly, the schedule's two dozen small ops take seconds on CPU.
 visit_schedule = jax.jit(moe_kernel.visit_schedule, static_argnums=(1, 2, 3))
 
-# Race detection plus NaN-filled scratch: a missed accumulator reset or an unwritten output
-# tile shows up as NaN rather than as a plausible number.
-INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 WIDTH = 128  # K = N; one lane-width tile
 
 # (group sizes, rows M, block_m): the shapes the schedule has to get right.

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import dispatch
 from pallas_kernels.quant_matmul import (
@@ -22,8 +21,8 @@ from pallas_kernels.quant_matmul import (
     reference,
     tuning,
 )
+from tests.pallas_kernels.interpret import INTERPRET
 
-INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 BLOCKS = {"block_m": 32, "block_n": 128, "block_k": 128}
 K, N = 256, 256
 # (format, group_size, symmetric): every weight layout the kernels support.
@@ -94,6 +93,34 @@ def test_asymmetric_int4_is_tighter_on_one_sided_weights():
         restored = reference.dequantize_int4_grouped(*quantized, 32)
         errors.append(float(jnp.mean(jnp.abs(restored - w))))
     assert errors[1] < 0.7 * errors[0]
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_narrower_grids_in_nibbles_round_trip_within_half_a_step(bits, symmetric):
+    w = _random(30, (K, N)) + (0.0 if symmetric else 0.7)  # [K, N]
+    weight = quantize_weight(w, "int4", group_size=32, symmetric=symmetric, bits=bits)
+    assert weight.bits == bits and weight.values.shape == (K // 2, N)
+    values = reference.unpack_int4(weight.values)  # [K, N]
+    lowest, highest = reference.int4_levels(bits, symmetric)
+    assert int(jnp.min(values)) >= lowest and int(jnp.max(values)) <= highest
+    # Symmetric b bits use 2^b - 1 levels, asymmetric all 2^b.
+    assert highest - lowest == 2 ** bits - (2 if symmetric else 1)
+    restored = dequantize_weight(weight)  # [K, N]
+    step = jnp.repeat(weight.scales, 32, axis=0)  # [K, N]
+    assert bool(jnp.all(jnp.abs(restored - w) <= step * (0.5 + 1e-5)))
+
+
+def test_three_bit_symmetric_grid_by_hand():
+    # One group of 4 rows, 3 bits symmetric: levels -3..3, scale = max|w| / 3 = 0.5.
+    w = jnp.asarray([[1.5], [-0.74], [0.26], [0.0]])  # [4, 1]
+    weight = quantize_weight(w, "int4", group_size=4, bits=3)
+    np.testing.assert_allclose(weight.scales, [[0.5]])
+    np.testing.assert_array_equal(reference.unpack_int4(weight.values)[:, 0], [3, -1, 1, 0])
+    with pytest.raises(ValueError, match="2 to 4 bits"):
+        quantize_weight(w, "int4", group_size=4, bits=5)
+    with pytest.raises(ValueError, match="8-bit"):
+        quantize_weight(w, "int8", bits=4)
 
 
 def test_int4_pack_unpack_is_exact():

@@ -12,6 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import (
+    quantize_kv_rows,
     ragged_paged_attention,
     ragged_paged_attention_kernel,
     write_to_pages,
@@ -29,7 +30,7 @@ BATCHES = {
 
 
 def _check(batch, page_size, head_dim, group, num_kv_heads=2, sliding_window=None,
-           soft_cap=None, block_tokens=8, pages_per_block=2, seed=0):
+           soft_cap=None, block_tokens=8, pages_per_block=2, seed=0, int8_kv=False):
     query_lens, context_lens = BATCHES[batch]
     rng = np.random.default_rng(seed)
     longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
@@ -37,11 +38,18 @@ def _check(batch, page_size, head_dim, group, num_kv_heads=2, sliding_window=Non
                            pages_per_seq=-(-longest // page_size) + 1,
                            num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                            padded_tokens=3, padded_seqs=1)
+    kv_scales = None
+    if int8_kv:
+        # Quantizing every row of the pool is what writing each token quantized would store.
+        kv_pages, kv_scales = quantize_kv_rows(inputs[1])
+        inputs = (inputs[0], kv_pages, *inputs[2:])
     scale = head_dim ** -0.5
     expected = ragged_paged_attention(*inputs, sm_scale=scale, sliding_window=sliding_window,
-                                      soft_cap=soft_cap, implementation="reference")
+                                      soft_cap=soft_cap, kv_scales=kv_scales,
+                                      implementation="reference")
     got = ragged_paged_attention_kernel(*inputs, sm_scale=scale, sliding_window=sliding_window,
-                                        soft_cap=soft_cap, block_tokens=block_tokens,
+                                        soft_cap=soft_cap, kv_scales=kv_scales,
+                                        block_tokens=block_tokens,
                                         pages_per_block=pages_per_block, interpret=INTERPRET)
     got, expected = np.asarray(got), np.asarray(expected)
     assert not np.isnan(got).any()
@@ -63,6 +71,17 @@ def test_kernel_sliding_window_and_soft_cap(batch):
     _check(batch, page_size=4, head_dim=64, group=2, sliding_window=6, soft_cap=3.0)
 
 
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize(("page_size", "head_dim", "group"), [(4, 64, 4), (8, 128, 1)])
+def test_kernel_int8_kv_matches_the_reference(batch, page_size, head_dim, group):
+    _check(batch, page_size, head_dim, group, int8_kv=True)
+
+
+def test_kernel_int8_kv_with_sliding_window_and_soft_cap():
+    _check("mixed", page_size=4, head_dim=64, group=2, sliding_window=6, soft_cap=3.0,
+           int8_kv=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("page_size", [4, 16, 32])
@@ -70,10 +89,11 @@ def test_kernel_sliding_window_and_soft_cap(batch):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("sliding_window", [None, 7])
 @pytest.mark.parametrize(("block_tokens", "pages_per_block"), [(8, 1), (16, 4)])
+@pytest.mark.parametrize("int8_kv", [False, True])
 def test_kernel_grid(batch, page_size, head_dim, group, sliding_window, block_tokens,
-                     pages_per_block):
+                     pages_per_block, int8_kv):
     _check(batch, page_size, head_dim, group, sliding_window=sliding_window,
-           block_tokens=block_tokens, pages_per_block=pages_per_block)
+           block_tokens=block_tokens, pages_per_block=pages_per_block, int8_kv=int8_kv)
 
 
 def test_public_op_dispatches_to_the_kernel_when_forced():

@@ -119,11 +119,14 @@ def test_xla_path_equals_the_reference_on_random_ragged_batches(seed):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
 
 
-@pytest.mark.parametrize("query_lens", [[300, 1, 150, 7], [1, 1, 129, 127, 2], [512]])
+@pytest.mark.parametrize("query_lens", [[300, 1, 150, 7], [1, 1, 129, 127, 2], [512],
+                                        [200, 190, 122]])
 def test_xla_path_tiles_long_steps_like_the_reference(query_lens):
-    # T = 512 takes the tiled path for this step's keys; sequences cross tile boundaries.
+    # T = 512 takes the tiled path for this step's keys; sequences cross tile boundaries, and
+    # chunks with a context walk their pages tile by tile (the last case: three of them).
     rng = np.random.default_rng(sum(query_lens))
-    context_lens = [int(rng.integers(0, 40)) for _ in query_lens]
+    context_lens = [int(rng.integers(1 if len(query_lens) == 3 else 0, 40))
+                    for _ in query_lens]
     longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
     inputs, _ = paged_case(rng, query_lens, context_lens, page_size=16,
                       pages_per_seq=-(-longest // 16), padded_tokens=512 - sum(query_lens),
@@ -147,6 +150,26 @@ def test_xla_path_walks_decode_groups_of_mixed_lengths_like_the_reference(num_de
     inputs, _ = paged_case(rng, query_lens, context_lens, page_size=4,
                       pages_per_seq=-(-longest // 4), padded_tokens=3, padded_seqs=2)
     for window in (None, 20):
+        expected = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                          implementation="reference")
+        got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
+                                     implementation="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
+
+
+@pytest.mark.parametrize("padded_tokens", [0, 3])
+def test_xla_path_walks_short_multi_token_steps_like_the_reference(padded_tokens):
+    # Speculative-style steps: k + 1 tokens per sequence over a context (the short-tile walk),
+    # beside a longer chunk (the long-tile walk) and a decode; with no padding the last
+    # sequence's tile is clamped to the end of the packed tokens.
+    rng = np.random.default_rng(padded_tokens)
+    query_lens = [5, 5, 1, 8, 12, 5, 2]
+    context_lens = [30, 3, 17, 9, 21, 44, 6]
+    longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
+    inputs, _ = paged_case(rng, query_lens, context_lens, page_size=4,
+                           pages_per_seq=-(-longest // 4), padded_tokens=padded_tokens,
+                           padded_seqs=1)
+    for window in (None, 10):
         expected = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,
                                           implementation="reference")
         got = ragged_paged_attention(*inputs, sm_scale=0.3, sliding_window=window,

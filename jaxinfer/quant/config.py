@@ -1,0 +1,169 @@
+"""Which weights get which quantized format: an ordered list of regex rules over module paths.
+
+A linear weight's path is its place in the model, dotted: `layers.3.attention.q_proj`,
+`layers.0.mlp.down_proj`, `lm_head`. The first rule whose pattern matches the path (with
+`re.search`) decides; a rule with no scheme keeps that weight in floating point, and a
+weight no rule matches stays in floating point too. The embedding table is a lookup, not a
+linear layer, so it is never quantized.
+
+    config = QuantizationConfig.for_method("rtn", bits=4, group_size=32)
+    config.scheme_for("layers.0.mlp.up_proj")  # WeightScheme(format="int4", bits=4, ...)
+    config.scheme_for("lm_head")                # None: kept in floating point
+
+The config is saved as JSON beside a quantized checkpoint (see `jaxinfer.quant.checkpoint`),
+so it must hold everything needed to rebuild the quantized model's structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+METHODS = ("rtn", "gptq", "smoothquant")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightScheme:
+    """How one weight is stored.
+
+    Attributes:
+        format: "int8" (weight-only, per output channel), "int4" (group-wise, nibble-packed;
+            also holds 3- and 2-bit grids) or "w8a8" (int8 weights and per-token int8
+            activations).
+        bits: 8 for the int8 formats; 4, 3 or 2 for "int4".
+        group_size: Input rows per scale for "int4"; None for the per-channel formats.
+        symmetric: False stores a zero point per group ("int4" only).
+    """
+
+    format: str
+    bits: int = 8
+    group_size: int | None = None
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in ("int8", "int4", "w8a8"):
+            raise ValueError(f"unknown weight format {self.format!r}; "
+                             "known: int8, int4, w8a8")
+        if self.format == "int4":
+            if self.bits not in (2, 3, 4):
+                raise ValueError(f"int4 storage holds 2 to 4 bits, got bits={self.bits}")
+            if not self.group_size or self.group_size % 2:
+                raise ValueError(f"int4 needs an even group_size, got {self.group_size}")
+        else:
+            if self.bits != 8:
+                raise ValueError(f"{self.format} weights are 8-bit, got bits={self.bits}")
+            if not self.symmetric:
+                raise ValueError(f"{self.format} weights are symmetric only")
+            if self.group_size is not None:
+                raise ValueError(f"{self.format} has one scale per output channel; "
+                                 f"group_size must be None, got {self.group_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationRule:
+    """`pattern` (a regex searched in the weight's path) -> `scheme` (None: keep float)."""
+
+    pattern: str
+    scheme: WeightScheme | None
+
+    def __post_init__(self) -> None:
+        re.compile(self.pattern)  # a bad pattern fails here, not at the first lookup
+
+
+# Kept in floating point by every default config: the LM head (the literature's W4/W8
+# protocols keep it; on a 4096-token vocabulary it is also a large share of the error).
+KEEP_FLOAT_PATTERNS = (r"(^|\.)lm_head$",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizationConfig:
+    """A quantization method and the rules that say which weight gets which scheme.
+
+    Attributes:
+        method: "rtn", "gptq" or "smoothquant" (how the quantized values were chosen).
+        rules: First match wins; unmatched weights stay in floating point.
+        smoothquant_alpha: SmoothQuant's migration strength `a` (method "smoothquant").
+        gptq_damping: GPTQ's damping, a fraction of the Hessian's mean diagonal.
+        gptq_block_size: GPTQ's lazy-batch block of columns.
+        gptq_act_order: GPTQ processes columns by descending Hessian diagonal.
+    """
+
+    method: str
+    rules: tuple[QuantizationRule, ...]
+    smoothquant_alpha: float = 0.5
+    gptq_damping: float = 0.01
+    gptq_block_size: int = 128
+    gptq_act_order: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization method {self.method!r}; "
+                             f"known: {', '.join(METHODS)}")
+        if not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ValueError(f"smoothquant_alpha = {self.smoothquant_alpha}: must be in [0, 1]")
+
+    @classmethod
+    def for_method(cls, method: str, *, bits: int = 8, group_size: int | None = None,
+                   symmetric: bool = True, keep_float: Sequence[str] = KEEP_FLOAT_PATTERNS,
+                   **options: Any) -> QuantizationConfig:
+        """The usual config: every linear weight in one scheme except `keep_float` paths.
+
+        Args:
+            method: "rtn", "gptq" or "smoothquant" (which implies W8A8).
+            bits: 8 gives per-channel int8 (W8A8 under SmoothQuant); 4, 3 or 2 give the
+                group-wise nibble format.
+            group_size: Rows per scale for bits < 8 (default 128).
+            symmetric: False gives zero points (bits < 8 only).
+            keep_float: Path patterns kept in floating point.
+            **options: Further fields (`smoothquant_alpha`, `gptq_damping`, ...).
+
+        Raises:
+            ValueError: A combination the formats cannot hold.
+        """
+        if method == "smoothquant":
+            if bits != 8:
+                raise ValueError(f"SmoothQuant is W8A8: bits must be 8, got {bits}")
+            scheme = WeightScheme(format="w8a8")
+        elif bits == 8:
+            scheme = WeightScheme(format="int8", group_size=group_size, symmetric=symmetric)
+        else:
+            scheme = WeightScheme(format="int4", bits=bits, group_size=group_size or 128,
+                                  symmetric=symmetric)
+        rules = tuple(QuantizationRule(pattern, None) for pattern in keep_float)
+        return cls(method=method, rules=(*rules, QuantizationRule(r".", scheme)), **options)
+
+    def scheme_for(self, path: str) -> WeightScheme | None:
+        """The scheme of the weight at `path`, or None to keep it in floating point."""
+        for rule in self.rules:
+            if re.search(rule.pattern, path):
+                return rule.scheme
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; `from_dict` inverts it."""
+        data = dataclasses.asdict(self)
+        data["rules"] = [{"pattern": rule.pattern,
+                          "scheme": None if rule.scheme is None else
+                          dataclasses.asdict(rule.scheme)} for rule in self.rules]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantizationConfig:
+        """Rebuilds a config from `to_dict`'s output.
+
+        Raises:
+            ValueError: Unknown fields, or values the schemes reject.
+        """
+        data = dict(data)
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown quantization config fields {unknown}; known: "
+                             f"{sorted(known)}")
+        rules = tuple(QuantizationRule(rule["pattern"],
+                                       None if rule["scheme"] is None else
+                                       WeightScheme(**rule["scheme"]))
+                      for rule in data.pop("rules"))
+        return cls(rules=rules, **data)

@@ -1,0 +1,223 @@
+"""GPTQ ("GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers",
+arXiv 2210.17323), as METHODS.md section 1 states it.
+
+Per linear layer, layers in forward order, each fed by the already-quantized layers before it:
+
+1. `H = 2/M * sum x x^T` over the M calibration inputs x of the layer (float64 here).
+2. Dead inputs (`H_jj == 0`): `H_jj = 1` and weight row j zeroed.
+3. Act-order (optional): inputs processed by descending `diag(H)`; undone at the end.
+4. Damping: `H += damping * mean(diag H) * I`.
+5. `U = cholesky(H^-1)` upper (`H^-1 = U^T U`).
+6. Blocks of `block_size` inputs; inside a block, input i in turn: when it is the first of
+   its scale group to be processed, the group's scale (and zero point) is computed from the
+   group's current, already-updated weights; `q = Quant(w_i)`; `e = (w_i - q) / U_ii`; the
+   block's later inputs take `w -= e (x) U[i, i:end]`; after the block, one matmul
+   propagates the block's errors to every later input.
+
+Weights are `[K, N]` here (input rows, output columns), the transpose of the paper's
+`[out, in]`; "column i" of the paper is input row i. Groups are contiguous runs of
+`group_size` input rows, as the storage format (`QuantizedWeight`) needs, also under
+act-order; the scale of a group is then computed when act-order first reaches one of its
+rows, from that moment's updated weights of all its rows (none of which is quantized yet).
+Weights of later rows outside the current block are brought up to date for this (their
+pending in-block updates applied) before the scale is taken.
+
+The result is an ordinary `QuantizedWeight` in the scheme's format, so GPTQ and RTN models
+share loaders, kernels and checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.models import Transformer
+from jaxinfer.quant.calibration import INPUT_INDEX, embedding_output, positions_for, run_block
+from jaxinfer.quant.config import QuantizationConfig, WeightScheme
+from jaxinfer.quant.linear import LinearSite, copy_model, linear_sites
+from pallas_kernels.quant_matmul import QuantizedWeight, reference
+
+# Called after each layer with (site, its [M, K] calibration inputs, the float [K, N]
+# weight, the GPTQ QuantizedWeight): lets tests and reports measure per-layer errors.
+LayerCallback = Callable[[LinearSite, jax.Array, jax.Array, QuantizedWeight], None]
+
+
+def hessian(inputs: jax.Array) -> np.ndarray:
+    """`H = 2/M * X^T X` from `[M, K]` inputs, accumulated in float32 (METHODS.md), returned
+    as float64 `[K, K]` for the inversion and Cholesky factorization that follow."""
+    x = jnp.asarray(inputs, jnp.float32)  # [M, K]
+    product = jnp.matmul(x.T, x, precision=jax.lax.Precision.HIGHEST)  # [K, K]
+    return np.asarray(product, np.float64) * (2.0 / x.shape[0])
+
+
+def _group_parameters(current: np.ndarray, scheme: WeightScheme
+                      ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scale `[N]` (and signed zero point `[N]`) of one group's current `[g, N]` weights,
+    by the same rule as round-to-nearest (`pallas_kernels.quant_matmul.reference`)."""
+    if scheme.format == "int4":
+        scales, zeros = reference.grouped_quantization_parameters(
+            jnp.asarray(current[None], jnp.float32), scheme.bits,
+            symmetric=scheme.symmetric)  # [1, N] each
+        return (np.asarray(scales[0], np.float64),
+                None if zeros is None else np.asarray(zeros[0], np.float64))
+    _, scales = reference.quantize_int8_per_channel(jnp.asarray(current, jnp.float32))
+    return np.asarray(scales, np.float64), None  # [N]
+
+
+def _levels(scheme: WeightScheme) -> tuple[int, int]:
+    if scheme.format == "int4":
+        return reference.int4_levels(scheme.bits, scheme.symmetric)
+    return -reference.INT8_MAX, reference.INT8_MAX
+
+
+def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
+                  scheme: WeightScheme, *, damping: float = 0.01, block_size: int = 128,
+                  act_order: bool = True) -> QuantizedWeight:
+    """GPTQ of one `[K, N]` weight given its `[K, K]` Hessian (steps 2-6 above).
+
+    Args:
+        weight: `[K, N]` float weight.
+        hessian_matrix: `[K, K]` `2/M X^T X` of the layer's calibration inputs.
+        scheme: Target format: "int8"/"w8a8" (one scale per output channel: the whole K is
+            one group) or "int4" with `bits` and `group_size`.
+        damping: Fraction of the mean diagonal added to the diagonal.
+        block_size: Inputs per lazy-batch block.
+        act_order: Process inputs by descending Hessian diagonal.
+
+    Returns:
+        The quantized weight in `scheme`'s format.
+
+    Raises:
+        ValueError: K is not a multiple of the group size.
+    """
+    w = np.asarray(weight, np.float64).T.copy()  # [N, K]: the paper's layout
+    h = np.array(hessian_matrix, np.float64)  # [K, K]
+    n, k = w.shape
+    group_size = scheme.group_size if scheme.format == "int4" else k
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+    dead = np.diag(h) == 0  # [K]
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)  # [K]
+    position_of = np.argsort(order)  # [K]: where each original input is processed
+    w, h = w[:, order], h[order][:, order]
+    h[np.diag_indices(k)] += damping * np.mean(np.diag(h))
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # [K, K], H^-1 = U^T U
+    lowest, highest = _levels(scheme)
+    num_groups = k // group_size
+    scales = np.zeros((num_groups, n))  # [G, N]
+    zeros = np.zeros((num_groups, n)) if scheme.format == "int4" and not scheme.symmetric \
+        else None  # [G, N]
+    has_parameters = np.zeros(num_groups, bool)
+    values = np.zeros((n, k))  # [N, K] integer levels, processing order
+    for start in range(0, k, block_size):
+        end = min(start + block_size, k)
+        block = w[:, start:end].copy()  # [N, b]: updated as the block is walked
+        errors = np.zeros_like(block)  # [N, b]
+        for i in range(end - start):
+            group = order[start + i] // group_size
+            if not has_parameters[group]:
+                members = position_of[group * group_size:(group + 1) * group_size]  # [g]
+                current = np.empty((group_size, n))  # [g, N]
+                inside = members < end
+                current[inside] = block[:, members[inside] - start].T
+                # Later blocks have not yet received this block's pending updates.
+                outside = members[~inside]
+                current[~inside] = (w[:, outside] - errors[:, :i]
+                                    @ upper[start:start + i, outside]).T
+                scale, zero = _group_parameters(current, scheme)
+                scales[group], has_parameters[group] = scale, True
+                if zeros is not None:
+                    zeros[group] = zero
+            scale = scales[group]  # [N]
+            zero = 0.0 if zeros is None else zeros[group]  # [N] or scalar
+            column = block[:, i]  # [N]
+            level = np.clip(np.round(column / scale) + zero, lowest, highest)  # [N]
+            quantized = (level - zero) * scale  # [N]
+            values[:, start + i] = level
+            error = (column - quantized) / upper[start + i, start + i]  # [N]
+            block[:, i:] -= np.outer(error, upper[start + i, start:end][i:])
+            errors[:, i] = error
+        w[:, end:] -= errors @ upper[start:end, end:]
+    levels = values[:, position_of].T.astype(np.int8)  # [K, N] original order
+    return _as_quantized_weight(levels, scales, zeros, scheme)
+
+
+def _as_quantized_weight(levels: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
+                         scheme: WeightScheme) -> QuantizedWeight:
+    """`[K, N]` integer levels with `[G, N]` scales (zeros) in the scheme's storage."""
+    if scheme.format != "int4":
+        return QuantizedWeight(scheme.format, jnp.asarray(levels),
+                               jnp.asarray(scales[0], jnp.float32))
+    packed = reference.pack_int4(jnp.asarray(levels))  # [K // 2, N]
+    return QuantizedWeight("int4", packed, jnp.asarray(scales, jnp.float32),
+                           None if zeros is None else jnp.asarray(zeros, jnp.int8),
+                           scheme.group_size, scheme.bits)
+
+
+def gptq_quantize_model(model: Transformer, config: QuantizationConfig, windows: np.ndarray,
+                        *, on_layer: LayerCallback | None = None,
+                        implementation: str = "auto") -> Transformer:
+    """A GPTQ-quantized copy of `model`, layer by layer on calibration windows.
+
+    Within each block the projections are quantized in forward order (q, k, v; o; gate,
+    up; down), each group's inputs recaptured after the groups before it were quantized,
+    and each block is fed the output of the already-quantized blocks before it. An untied
+    LM head, if the rules quantize it, comes last, fed by the quantized model.
+
+    Args:
+        model: The float model (left unchanged); dense blocks only.
+        config: Rules and GPTQ settings (`gptq_damping`, `gptq_block_size`,
+            `gptq_act_order`).
+        windows: `[B, T]` calibration token ids.
+        on_layer: Called after each layer (see `LayerCallback`).
+        implementation: The quantized layers' `pallas_kernels.dispatch` choice.
+
+    Raises:
+        ValueError: An MoE model, or a weight whose shape does not fit its scheme.
+    """
+    model = copy_model(model)
+    token_ids = jnp.asarray(windows)  # [B, T]
+    positions = positions_for(token_ids)  # [B, T]
+    x = embedding_output(model, token_ids)  # [B, T, D]
+    sites = linear_sites(model)
+    for index, block in enumerate(model.layers):
+        block_sites = [site for site in sites if site.path.startswith(f"layers.{index}.")]
+        for capture in sorted(set(INPUT_INDEX.values())):
+            group = [site for site in block_sites if INPUT_INDEX[site.name] == capture]
+            chosen = [(site, config.scheme_for(site.path)) for site in group]
+            chosen = [(site, scheme) for site, scheme in chosen if scheme is not None]
+            if not chosen:
+                continue
+            _, inputs = run_block(block, x, positions)  # with the layers quantized so far
+            h = hessian(inputs[capture])  # [K, K]
+            for site, scheme in chosen:
+                _quantize_site(site, scheme, h, inputs[capture], config, on_layer,
+                               implementation)
+        x, _ = run_block(block, x, positions)  # [B, T, D] from the quantized block
+    head = [site for site in sites if site.path == "lm_head"]
+    if head and config.scheme_for("lm_head") is not None:
+        hidden, _ = model.hidden_states(token_ids, positions)  # [B, T, D]
+        inputs = hidden.reshape(-1, hidden.shape[-1])  # [B * T, D]
+        _quantize_site(head[0], config.scheme_for("lm_head"), hessian(inputs), inputs,
+                       config, on_layer, implementation)
+    return model
+
+
+def _quantize_site(site: LinearSite, scheme: WeightScheme, h: np.ndarray, inputs: jax.Array,
+                   config: QuantizationConfig, on_layer: LayerCallback | None,
+                   implementation: str) -> None:
+    matrix = site.float_matrix()  # [K, N]
+    try:
+        weight = gptq_quantize(matrix, h, scheme, damping=config.gptq_damping,
+                               block_size=config.gptq_block_size,
+                               act_order=config.gptq_act_order)
+    except ValueError as error:
+        raise ValueError(f"{site.path}: {error}") from None
+    if on_layer is not None:
+        on_layer(site, inputs, matrix, weight)
+    site.quantize(weight, implementation)

@@ -1,0 +1,260 @@
+"""Quantized linear layers, where they sit in a model, and round-to-nearest quantization of it.
+
+The model's projections are plain parameters (`attention.q_proj` is a `[D, N, H]` nnx.Param).
+Quantizing one replaces that attribute with a `QuantizedLinear` module holding a
+`pallas_kernels.quant_matmul.QuantizedWeight` of the flattened `[K, N]` matrix
+(`[D, N * H]` for q_proj, `[N * H, D]` for o_proj); the model's forward sees a module
+instead of a parameter (`jaxinfer.models.layers.is_quantized`) and calls it, and the layer
+calls `quantized_matmul`, so `pallas_kernels.dispatch` picks the Pallas kernel or the
+reference for it like for every other op.
+
+`linear_sites(model)` lists every linear weight of a dense Llama-family model in forward
+order with its dotted path, which `QuantizationConfig` rules match against. MoE expert
+stacks and the router are not listed (they stay in floating point), nor is the embedding
+table (a lookup) or OSP's embedding projections (folded away at export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.models import Transformer
+from jaxinfer.models.layers import MLP
+from jaxinfer.quant.config import QuantizationConfig, WeightScheme
+from pallas_kernels.quant_matmul import QuantizedWeight, dequantize_weight, quantize_weight
+from pallas_kernels.quant_matmul import quantized_matmul as quantized_matmul_op
+
+
+class QuantizedArray(nnx.Variable):
+    """Integer values, scales or zero points of a quantized layer (not a trainable Param)."""
+
+
+class QuantizedLinear(nnx.Module):
+    """`x @ W` for a quantized `[K, N]` weight W, reshaped to the parameter it replaces.
+
+    Args:
+        weight: The quantized `[K, N]` matrix.
+        output_shape: The output axes of the replaced parameter, whose product is N (e.g.
+            `(N, H)` for q_proj); the layer's output is `[..., *output_shape]`.
+        implementation: `pallas_kernels.dispatch` choice; "auto" follows
+            `force_implementation` and `JAXINFER_KERNELS`.
+    """
+
+    def __init__(self, weight: QuantizedWeight, output_shape: Sequence[int], *,
+                 implementation: str = "auto") -> None:
+        if math.prod(output_shape) != weight.shape[1]:
+            raise ValueError(f"output_shape {tuple(output_shape)} does not hold the "
+                             f"{weight.shape[1]} output features of the quantized weight")
+        self.values = QuantizedArray(weight.values)  # [K, N] int8 or [K // 2, N] uint8
+        self.scales = QuantizedArray(weight.scales)  # [N] or [K // g, N] float32
+        self.zeros = None if weight.zeros is None else QuantizedArray(weight.zeros)
+        self.format = weight.format
+        self.group_size = weight.group_size
+        self.bits = weight.bits
+        self.output_shape = tuple(output_shape)
+        self.implementation = implementation
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        """The layer's `QuantizedWeight` (a pytree; traced arrays inside jit)."""
+        zeros = None if self.zeros is None else self.zeros[...]
+        return QuantizedWeight(self.format, self.values[...], self.scales[...], zeros,
+                               self.group_size, self.bits)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """`[..., K]` activations to `[..., *output_shape]`, in the activations' dtype."""
+        out = quantized_matmul_op(x, self.weight,
+                                  implementation=self.implementation)  # [..., N]
+        return out.reshape(*x.shape[:-1], *self.output_shape)  # [..., *output_shape]
+
+    def dequantized(self) -> jax.Array:
+        """The float32 `[K, N]` matrix the layer multiplies by."""
+        return dequantize_weight(self.weight)
+
+    def nbytes(self) -> int:
+        """Bytes of values, scales and zero points."""
+        arrays = [self.values[...], self.scales[...]]
+        if self.zeros is not None:
+            arrays.append(self.zeros[...])
+        return sum(array.size * array.dtype.itemsize for array in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSite:
+    """One linear weight of a model: where it lives and how it flattens to `[K, N]`.
+
+    Attributes:
+        path: Dotted path, e.g. `layers.0.attention.o_proj`.
+        owner: The module holding the attribute.
+        name: The attribute (`q_proj`, `down_proj`, `lm_head`, ...).
+        input_axes: How many leading axes of the float parameter are input features
+            (2 for o_proj's `[N, H, D]`, 1 elsewhere).
+    """
+
+    path: str
+    owner: nnx.Module
+    name: str
+    input_axes: int
+
+    @property
+    def layer(self) -> nnx.Param | QuantizedLinear:
+        """The float parameter or the quantized layer now at this site."""
+        return getattr(self.owner, self.name)
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the site already holds a `QuantizedLinear`."""
+        return isinstance(self.layer, QuantizedLinear)
+
+    def float_matrix(self) -> jax.Array:
+        """The float parameter flattened to `[K, N]` (in its own dtype).
+
+        Raises:
+            ValueError: The site is already quantized.
+        """
+        if self.is_quantized:
+            raise ValueError(f"{self.path} is already quantized")
+        value = self.layer[...]  # [*inputs, *outputs]
+        inputs = math.prod(value.shape[:self.input_axes])
+        return value.reshape(inputs, -1)  # [K, N]
+
+    def output_shape(self) -> tuple[int, ...]:
+        """The output axes of the parameter (or the quantized layer's)."""
+        if self.is_quantized:
+            return self.layer.output_shape
+        return tuple(self.layer[...].shape[self.input_axes:])
+
+    def set_float_matrix(self, matrix: jax.Array) -> None:
+        """Replaces the float parameter's value by `[K, N]` `matrix`, reshaped and recast."""
+        value = self.layer[...]
+        self.layer[...] = matrix.reshape(value.shape).astype(value.dtype)
+
+    def quantize(self, weight: QuantizedWeight, implementation: str = "auto") -> None:
+        """Puts a `QuantizedLinear` of `weight` in the parameter's place."""
+        setattr(self.owner, self.name,
+                QuantizedLinear(weight, self.output_shape(), implementation=implementation))
+
+
+def linear_sites(model: Transformer) -> list[LinearSite]:
+    """Every linear weight of `model` in forward order: per block q, k, v, o, gate, up,
+    down (dense blocks only), then the untied LM head."""
+    sites = []
+    for index, block in enumerate(model.layers):
+        prefix = f"layers.{index}"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sites.append(LinearSite(f"{prefix}.attention.{name}", block.attention, name,
+                                    2 if name == "o_proj" else 1))
+        if isinstance(block.mlp, MLP):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                sites.append(LinearSite(f"{prefix}.mlp.{name}", block.mlp, name, 1))
+    if model.lm_head is not None:
+        sites.append(LinearSite("lm_head", model, "lm_head", 1))
+    return sites
+
+
+def quantize_matrix(matrix: jax.Array, scheme: WeightScheme) -> QuantizedWeight:
+    """Round-to-nearest quantization of a `[K, N]` matrix in `scheme`."""
+    if scheme.format == "int4":
+        return quantize_weight(matrix, "int4", group_size=scheme.group_size,
+                               symmetric=scheme.symmetric, bits=scheme.bits)
+    return quantize_weight(matrix, scheme.format)
+
+
+def copy_model(model: Transformer) -> Transformer:
+    """New modules and variables over the same (immutable) arrays, safe to change in place.
+
+    (`nnx.merge(*nnx.split(model))` would share the variables: a write through the copy
+    would change the original.)
+    """
+    return nnx.clone(model)
+
+
+Quantizer = Callable[[LinearSite, WeightScheme], QuantizedWeight]
+
+
+def quantize_model(model: Transformer, config: QuantizationConfig, *,
+                   quantizer: Quantizer | None = None,
+                   implementation: str = "auto") -> Transformer:
+    """A copy of `model` whose linear weights are quantized as `config`'s rules say.
+
+    Args:
+        model: A float model (left unchanged).
+        config: Which weight gets which scheme.
+        quantizer: Chooses each weight's quantized values; default round-to-nearest of the
+            float weight (GPTQ and SmoothQuant bring their own).
+        implementation: The layers' `pallas_kernels.dispatch` choice.
+
+    Returns:
+        The quantized model; weights whose scheme is None stay float parameters.
+
+    Raises:
+        ValueError: A weight's shape does not fit its scheme (e.g. K not a multiple of the
+            group size); the message names the weight.
+    """
+    model = copy_model(model)
+    for site in linear_sites(model):
+        scheme = config.scheme_for(site.path)
+        if scheme is None or site.is_quantized:
+            continue
+        try:
+            weight = (quantizer or _round_to_nearest)(site, scheme)
+        except ValueError as error:
+            raise ValueError(f"{site.path}: {error}") from None
+        site.quantize(weight, implementation)
+    return model
+
+
+def _round_to_nearest(site: LinearSite, scheme: WeightScheme) -> QuantizedWeight:
+    return quantize_matrix(site.float_matrix(), scheme)
+
+
+def dequantize_model(model: Transformer) -> Transformer:
+    """A float copy of a quantized model: every `QuantizedLinear` back to its dequantized
+    parameter, in the model's parameter dtype (the reference the layers are tested against)."""
+    model = copy_model(model)
+    dtype = jnp.dtype(model.config.param_dtype)
+    for site in linear_sites(model):
+        if site.is_quantized:
+            layer = site.layer
+            k = layer.values.shape[0] * (2 if layer.format == "int4" else 1)
+            matrix = layer.dequantized()  # [K, N]
+            input_shape = _input_shape(model, site, k)
+            value = matrix.reshape(*input_shape, *layer.output_shape).astype(dtype)
+            setattr(site.owner, site.name, nnx.Param(value))
+    return model
+
+
+def _input_shape(model: Transformer, site: LinearSite, k: int) -> tuple[int, ...]:
+    if site.input_axes == 2:  # o_proj: [N, H, D]
+        return (model.config.num_heads, model.config.head_dim)
+    return (k,)
+
+
+def linear_weight_bytes(model: Transformer, pattern: str = r".") -> tuple[int, int]:
+    r"""`(stored bytes, bf16 bytes)` of the linear weights whose path matches `pattern`.
+
+    Stored bytes count quantized layers with their scales and zero points and float
+    parameters at their dtype; the bf16 figure is the same weights at 2 bytes each.
+    `pattern=r"^layers\."` counts the blocks' projections only (not the LM head).
+    """
+    stored = bf16 = 0
+    for site in linear_sites(model):
+        if not re.search(pattern, site.path):
+            continue
+        layer = site.layer
+        if isinstance(layer, QuantizedLinear):
+            stored += layer.nbytes()
+            k = layer.values.shape[0] * (2 if layer.format == "int4" else 1)
+            bf16 += 2 * k * math.prod(layer.output_shape)
+        else:
+            value = layer[...]
+            stored += value.size * value.dtype.itemsize
+            bf16 += 2 * value.size
+    return stored, bf16

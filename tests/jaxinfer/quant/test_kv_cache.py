@@ -1,0 +1,81 @@
+"""The int8 KV cache: its rounding by hand, its bytes, and the engine with an int8 cache
+against the reference `generate` with the same rounding applied to its contiguous cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import get_preset
+from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.generate import generate
+from jaxinfer.models import PagedBatch, PagedKVCache, create_model
+from jaxinfer.models.layers import simulated_quantization
+from jaxinfer.perplexity import perplexity
+from jaxinfer.quant.kv_cache import int8_round_trip, kv_bytes_per_token
+
+
+def test_round_trip_by_hand():
+    x = jnp.asarray([[[[1.27, -0.5, 0.0, 0.004], [0.0, 0.0, 0.0, 0.0]]]])  # [1, 1, 2, 4]
+    # Head 0: scale 1.27 / 127 = 0.01; 0.004 rounds to 0. Head 1 is all zeros.
+    np.testing.assert_allclose(int8_round_trip(x)[0, 0, 0], [1.27, -0.5, 0.0, 0.0], atol=1e-7)
+    np.testing.assert_array_equal(int8_round_trip(x)[0, 0, 1], 0.0)
+    y = jax.random.normal(jax.random.key(0), (2, 3, 2, 16))  # [B, T, K, H]
+    step = jnp.max(jnp.abs(y), axis=-1, keepdims=True) / 127
+    assert bool(jnp.all(jnp.abs(int8_round_trip(y) - y) <= step * (0.5 + 1e-5)))
+
+
+def test_bytes_per_token_and_the_int8_pool():
+    config = get_preset("tiny")  # 2 layers, 2 kv heads of 16
+    assert kv_bytes_per_token(config) == 2 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(config, "bfloat16") == 2 * 2 * 2 * 16 * 2
+    assert kv_bytes_per_token(config, "int8") == 2 * 2 * 2 * 16 + 4 * 2 * 2 * 2
+    empty = PagedBatch(*(jnp.zeros((1,), jnp.int32) for _ in range(5)))
+    pool = PagedKVCache.create(config, 5, 16, empty, dtype="int8")
+    assert pool.layers[0].dtype == jnp.int8 and pool.layers[0].shape == (5, 16, 4, 16)
+    assert pool.scales[0].dtype == jnp.float32 and pool.scales[0].shape == (5, 16, 4)
+    assert PagedKVCache.create(config, 5, 16, empty).scales is None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(get_preset("tiny"), seed=0)
+
+
+def test_engine_with_an_int8_cache_equals_reference_generate_with_int8_rounding(model):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 512, size=length).tolist() for length in (2, 9, 33, 70)]
+    # The reference's jitted steps read the hook when traced: trace them afresh.
+    jax.clear_caches()
+    with simulated_quantization(keys_values=int8_round_trip):
+        expected = generate(model, prompts, max_new_tokens=6, eos_token_ids=())
+    jax.clear_caches()
+    engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=32,
+                                        max_num_seqs=4, max_model_len=128, bucket_growth=4,
+                                        kv_cache_dtype="int8"))
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt,
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output.outputs[0].token_ids
+    assert [outputs[str(index)] for index in range(len(prompts))] == expected
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def test_int8_cache_perplexity_equals_the_simulated_rounding(model):
+    ids = np.random.default_rng(1).integers(3, 512, size=90)  # [N]
+    paged = perplexity(model, ids, window=32, batch_size=2, kv_cache_dtype="int8")
+    jax.clear_caches()
+    with simulated_quantization(keys_values=int8_round_trip):
+        simulated = perplexity(model, ids, window=32, batch_size=2)
+    jax.clear_caches()
+    exact = perplexity(model, ids, window=32, batch_size=2)
+    assert paged.tokens == simulated.tokens == exact.tokens
+    assert paged.nll == pytest.approx(simulated.nll, rel=1e-5)
+    assert paged.nll != exact.nll  # the int8 cache did round something
