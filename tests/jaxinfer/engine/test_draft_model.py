@@ -193,3 +193,30 @@ def test_demo_models_sample_the_targets_distribution():
     hotter = _first_tokens(Engine(teacher, EngineConfig(**options)), prompt, 3000,
                            dict(temperature=1.2, top_k=30))
     assert _homogeneity_p_value(plain[:, 1], hotter[:, 1]) < 1e-3
+
+
+def _greedy_outputs(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output.outputs[0].token_ids
+    return [outputs[str(index)] for index in range(len(prompts))]
+
+
+def test_draft_model_with_an_int8_kv_cache_equals_plain_int8_decoding(model, drafter):
+    # Both caches int8 (the drafter's pool inherits the target's kv_cache_dtype): speculation
+    # still changes no greedy token, and both pools are whole again afterwards.
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 512) for _ in range(length)] for length in (1, 7, 30, 64)]
+    config = {"page_size": 8, "max_num_batched_tokens": 32, "max_num_seqs": 4,
+              "max_model_len": 128, "enable_prompt_logprobs": False, "bucket_growth": 4,
+              "kv_cache_dtype": "int8"}
+    expected = _greedy_outputs(Engine(model, EngineConfig(**config)), prompts)
+    engine = Engine(model, EngineConfig(**config, speculative=DRAFT), draft_model=drafter)
+    assert _greedy_outputs(engine, prompts) == expected
+    assert engine.stats().num_draft_tokens > 0
+    assert engine.num_free_pages == engine.config.num_pages - 1
+    assert engine.drafter.num_free_pages == engine.config.num_pages - 1
