@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not tpu and not gpu"
+	$(PY) -m pytest -q -m "not slow and not tpu and not gpu" --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
