@@ -400,6 +400,10 @@ PRESETS: dict[str, ModelConfig] = {
         model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
         num_layers=32, num_heads=32, num_kv_heads=32, rms_norm_eps=1e-5,
         max_position_embeddings=4096, param_dtype="bfloat16", dtype="bfloat16"),
+    "llama-2-70b": ModelConfig(
+        model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+        num_layers=80, num_heads=64, num_kv_heads=8, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, param_dtype="bfloat16", dtype="bfloat16"),
     "llama-3-8b": ModelConfig(
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=500000.0,
