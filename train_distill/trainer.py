@@ -374,10 +374,12 @@ class Trainer:
 def describe_run(config: TrainConfig) -> str:
     """One line about the run, for the log's first line."""
     model = config.model
+    data, model_size = mesh_shape(config.mesh, jax.device_count())
     return (f"model {model.model_type} L={model.num_layers} D={model.hidden_size} "
             f"V={model.vocab_size}; optimizer {config.optimizer.name}; "
             f"{config.run.total_steps} steps of {config.data.batch_size}x"
-            f"{config.data.sequence_length} tokens; python {sys.version.split()[0]}")
+            f"{config.data.sequence_length} tokens; mesh data={data} x model={model_size} "
+            f"({config.mesh.layout}); python {sys.version.split()[0]}")
 
 
 def parameter_count(params: Any) -> int:
