@@ -3,8 +3,9 @@
     python -m train_distill.train --config train_distill/configs/demo_teacher.toml \
         optimizer.learning_rate=1e-3 run.total_steps=200
 
-A file has the sections [model], [data], [optimizer], [run] and optionally [distill]. The
-[model] section names a preset (`preset = "tiny"`) and/or sets ModelConfig fields directly.
+A file has the sections [model], [data], [optimizer], [run] and optionally [mesh] and
+[distill]. The [model] section names a preset (`preset = "tiny"`) and/or sets ModelConfig fields
+directly.
 Overrides are `section.key=value`, parsed as TOML values (strings may go unquoted).
 """
 
@@ -57,9 +58,31 @@ class RunConfig:
     eval_batches: int = 8
     log_every: int = 10
     seed: int = 0
-    data_parallel: int = 0  # devices on the 'data' axis; 0 means all
     export_hf: bool = True
     progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """How the devices form the ('data', 'model') mesh and how parameters split over it.
+
+    The batch is always split over 'data'. The default layout, "fsdp_tp", also splits every
+    parameter (and, like it, the optimizer state) along the model width over 'data' (FSDP)
+    and along heads, MLP width and vocabulary over 'model' (tensor parallel); with the
+    default `model = 1` that is plain FSDP, which holds 1/data of the weights and optimizer
+    state per device at the price of gathering each layer's weights when it runs.
+    "replicated" is pure data parallel (every device holds everything), "tensor_parallel"
+    splits over 'model' only. Every split dimension must divide by its axis size.
+    """
+
+    data: int = 0  # devices on the 'data' axis; 0: all devices not on the 'model' axis
+    model: int = 1  # devices on the 'model' axis (tensor parallelism)
+    layout: str = "fsdp_tp"  # a jaxinfer.sharding layout: fsdp_tp, tensor_parallel, replicated
+
+    def __post_init__(self) -> None:
+        if self.data < 0 or self.model < 1:
+            raise ValueError(f"[mesh] data = {self.data}, model = {self.model}: need "
+                             f"data >= 0 (0: all devices) and model >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,17 +104,19 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for logs and the checkpoint directory."""
         return {"model": self.model.to_dict(), "data": dataclasses.asdict(self.data),
                 "optimizer": dataclasses.asdict(self.optimizer),
-                "run": dataclasses.asdict(self.run), "distill": dataclasses.asdict(self.distill)}
+                "run": dataclasses.asdict(self.run), "mesh": dataclasses.asdict(self.mesh),
+                "distill": dataclasses.asdict(self.distill)}
 
 
 _SECTIONS = {"data": DataConfig, "optimizer": OptimizerConfig, "run": RunConfig,
-             "distill": DistillConfig}
+             "mesh": MeshConfig, "distill": DistillConfig}
 
 
 def _parse_value(text: str) -> Any:
@@ -105,6 +130,9 @@ def _coerce(section: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     known = {field.name for field in dataclasses.fields(cls)}
     for key, value in values.items():
+        if section == "run" and key == "data_parallel":
+            raise ValueError("[run] data_parallel moved to [mesh] data (beside mesh.model and "
+                             "mesh.layout)")
         if key not in known:
             raise ValueError(f"[{section}] has no field {key!r}; known: {sorted(known)}")
         if hints[key] is float and isinstance(value, int) and not isinstance(value, bool):

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from jaxinfer.config import get_preset
 from jaxinfer.generate import generate
 from jaxinfer.model_loading import load_model
+from jaxinfer.sharding import ShardingError
 from train_distill.config import (
     DataConfig,
     DistillConfig,
+    MeshConfig,
     OptimizerConfig,
     RunConfig,
     TrainConfig,
@@ -20,7 +24,7 @@ from train_distill.config import (
 )
 from train_distill.prepare import prepare
 from train_distill.train import run
-from train_distill.trainer import Trainer
+from train_distill.trainer import Trainer, mesh_shape, training_rules
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +142,74 @@ def test_config_file_and_overrides(tmp_path):
         load_train_config(path, ["run.steps=3"])
     with pytest.raises(ValueError, match=r"expected section\.key=value"):
         load_train_config(path, ["learning_rate=3"])
+
+
+def _q_proj(state) -> jax.Array:
+    return state["layers"][0]["attention"]["q_proj"].get_value()
+
+
+def test_checkpoint_from_one_mesh_resumes_on_another(data_directory, tmp_path):
+    # Four kv heads so that every head axis divides over 4 'model' shards.
+    model = get_preset("tiny").replace(num_kv_heads=4)
+    run_config = RunConfig(out=str(tmp_path), total_steps=20, checkpoint_every=0,
+                           eval_every=0, log_every=100, export_hf=False)
+
+    def trainer(data: int, model_size: int) -> Trainer:
+        return _quiet(_config(data_directory, tmp_path, model=model, run=run_config,
+                              mesh=MeshConfig(data=data, model=model_size)))
+
+    first = trainer(2, 4)
+    # FSDP+TP on (2, 4): the q projection [D, N, H] splits D over 'data', N over 'model'.
+    q_proj = _q_proj(first.state.params)
+    assert dict(q_proj.sharding.mesh.shape) == {"data": 2, "model": 4}
+    assert q_proj.sharding.spec == PartitionSpec("data", "model", None)
+    assert q_proj.addressable_shards[0].data.shape == (32, 1, 16)
+    # Adam's first moment of q_proj is split like q_proj; its step count is replicated.
+    adam = first.state.opt_state[1][0]
+    assert _q_proj(adam.mu).sharding.spec == PartitionSpec("data", "model", None)
+    assert adam.count.sharding.spec == PartitionSpec()
+    first.train(steps=3)
+    first.save()
+    expected = [record["loss"] for record in first.train(steps=3)]  # steps 4-6, not saved
+    assert _q_proj(first.state.params).sharding.spec == PartitionSpec("data", "model", None)
+    # The step's outputs keep the inputs' placement, so six steps compiled it once.
+    assert first._train_step._cache_size() == 1
+    first.close()
+
+    second = trainer(8, 1)
+    assert second.state.step == 3
+    q_proj = _q_proj(second.state.params)
+    assert dict(q_proj.sharding.mesh.shape) == {"data": 8, "model": 1}
+    # Same spec (the 'model' axis has size 1 now), so each device holds all four heads.
+    assert q_proj.sharding.spec == PartitionSpec("data", "model", None)
+    assert q_proj.addressable_shards[0].data.shape == (8, 4, 16)
+    assert _q_proj(second.state.opt_state[1][0].nu).addressable_shards[0].data.shape == (
+        8, 4, 16)
+    resumed = [record["loss"] for record in second.train(steps=3)]
+    second.close()
+    np.testing.assert_allclose(resumed, expected, rtol=1e-5)
+
+
+def test_mesh_config_defaults_and_errors(data_directory, tmp_path):
+    assert mesh_shape(MeshConfig(), 8) == (8, 1)
+    assert mesh_shape(MeshConfig(model=2), 8) == (4, 2)
+    assert mesh_shape(MeshConfig(data=2, model=2), 8) == (2, 2)
+    with pytest.raises(ValueError, match="model = 3 does not divide the 8 devices"):
+        mesh_shape(MeshConfig(model=3), 8)
+    with pytest.raises(ValueError, match="need data >= 0"):
+        MeshConfig(model=0)
+    # tiny has 2 kv heads: 4 'model' shards cannot split them, and the error names the weight.
+    with pytest.raises(ShardingError, match="k_proj"):
+        _quiet(_config(data_directory, tmp_path, mesh=MeshConfig(data=2, model=4)))
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\npreset = "tiny"\n[mesh]\nmodel = 2\nlayout = "replicated"\n')
+    config = load_train_config(path)
+    assert config.mesh == MeshConfig(data=0, model=2, layout="replicated")
+    with pytest.raises(ValueError, match=r"moved to \[mesh\] data"):
+        load_train_config(path, ["run.data_parallel=4"])
+
+
+def test_replicated_layout_still_splits_the_batch():
+    rules = dict(training_rules("replicated"))
+    assert rules["batch"] == "data" and rules["embed"] is None and rules["q_heads"] is None
+    assert dict(training_rules("fsdp_tp"))["embed"] == "data"
