@@ -2,22 +2,30 @@
 
     python benchmarks/memory_plan.py [--out benchmarks/results/scale.md]
 
-For Llama-2-7B, Llama-2-70B and Mixtral-8x7B on v5e-8, v5p-8 (and an 8 x H100 host), with bf16
-and int8 weights and KV: weights per chip, KV bytes per token per chip, and the tokens of
-context the remaining memory holds (10% of each chip kept for activations and programs), at
-the smallest tensor-parallel size that fits and at the whole slice. Arithmetic only
-(`jaxinfer.memory_plan`); nothing is run on the chips.
+For Llama-2-7B, Llama-2-70B and Mixtral-8x7B on v5e-8, v5p-8, v5p-16 (two hosts) and an
+8 x H100 host, with bf16 and int8 weights and KV: weights per chip, KV bytes per token per
+chip, and the tokens of context the remaining memory holds (10% of each chip kept for
+activations and programs), at the smallest tensor-parallel size that fits and at the whole
+slice. Arithmetic only (`jaxinfer.memory_plan`); nothing is run on the chips.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results_file import replace_section
 
 from jaxinfer.config import get_preset
 from jaxinfer.memory_plan import ACCELERATORS, GIB, parameter_count, plan
 
+TITLE = "Scale: tensor, data and expert parallel serving"
+
 MODELS = ("llama-2-7b", "llama-2-70b", "mixtral-8x7b")
-SLICES = ("v5e-8", "v5p-8", "h100x8")
+SLICES = ("v5e-8", "v5p-8", "v5p-16", "h100x8")
 FORMATS = (("bf16", "bf16"), ("int8", "int8"))
 
 
@@ -59,16 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     text = table()
     print(text)
     if arguments.out:
-        with open(arguments.out, "w", encoding="utf-8") as handle:
-            handle.write(
-                "# Scale: memory per chip for the reference models (arithmetic)\n\n"
-                "Reproduce: `python benchmarks/memory_plan.py --out "
-                "benchmarks/results/scale.md` (`jaxinfer.memory_plan`; HBM per chip: v5e "
-                "16 GiB, v5p 95 GiB, H100 80 GiB; 10% of each chip reserved; int8 weights keep "
-                "the embedding and LM head in bf16; int8 KV has one f32 scale per token and "
-                "head). The simulated-mesh throughput table of the scale-out issue is not "
-                "here yet.\n\n" + text)
-
+        replace_section(Path(arguments.out), "memory", (
+            "## Memory per chip for the reference models (arithmetic)\n\n"
+            "Reproduce: `python benchmarks/memory_plan.py --out "
+            "benchmarks/results/scale.md` (`jaxinfer.memory_plan`; HBM per chip: v5e "
+            "16 GiB, v5p 95 GiB, H100 80 GiB; 10% of each chip reserved; int8 weights keep "
+            "the embedding and LM head in bf16; int8 KV has one f32 scale per token and "
+            "head).\n\n" + text), title=TITLE)
 
 if __name__ == "__main__":
     main()

@@ -175,6 +175,12 @@ def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | No
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_tokens": '
                              '4, "max_ngram": 3}\' or \'{"method": "draft_model", "model": '
                              '"builtin:demo-draft", "num_tokens": 3}\' (default off)')
+    parallel = parser.add_argument_group("parallelism (see jaxinfer.engine.parallel)")
+    for flag, what in (("--tensor-parallel-size", "devices the model is split over"),
+                       ("--data-parallel-size", "independent engine replicas"),
+                       ("--expert-parallel-size", "devices a MoE model's experts are split "
+                                                  "over")):
+        parallel.add_argument(flag, type=int, default=1, help=f"{what} (default 1)")
     peer = parser.add_argument_group("comparison and reports")
     peer.add_argument("--compare-hf", action="store_true",
                       help="also run HF transformers generate on the same weights "
@@ -184,6 +190,11 @@ def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | No
     peer.add_argument("--seed", type=int, default=0, help="seeds the prompts")
     peer.add_argument("--output-json", metavar="PATH", help="write the numbers as JSON")
     peer.add_argument("--markdown", metavar="PATH", help="append a markdown report section")
+
+
+def _parallel_sizes(args: argparse.Namespace) -> dict[str, int]:
+    return {name: getattr(args, name) for name in (
+        "tensor_parallel_size", "data_parallel_size", "expert_parallel_size")}
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -239,7 +250,8 @@ def _run_bench(args: argparse.Namespace) -> int:
                 page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, min_token_bucket=args.min_token_bucket,
                 enable_prefix_caching=args.enable_prefix_caching,
-                bucket_growth=args.bucket_growth, speculative=args.speculative)
+                bucket_growth=args.bucket_growth, speculative=args.speculative,
+                **_parallel_sizes(args))
             requests = make_requests(args.num_prompts, vocab_size=model.config.vocab_size,
                                      input_len=args.input_len_range,
                                      output_len=args.output_len, seed=args.seed)
@@ -256,7 +268,8 @@ def _run_bench(args: argparse.Namespace) -> int:
                     max_seqs, latency.default_token_budget(args.batch_size, args.input_len)),
                 min_token_bucket=args.min_token_bucket,
                 enable_prefix_caching=args.enable_prefix_caching,
-                bucket_growth=args.bucket_growth, speculative=args.speculative)
+                bucket_growth=args.bucket_growth, speculative=args.speculative,
+                **_parallel_sizes(args))
             result = latency.run_latency(
                 model, batch_sizes=args.batch_size, input_len=args.input_len,
                 output_len=args.output_len, iterations=args.iterations, settings=settings,

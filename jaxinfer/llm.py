@@ -23,7 +23,8 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from jaxinfer.engine.engine import Engine, Prompt
+from jaxinfer.engine.data_parallel import load_engine
+from jaxinfer.engine.engine import Prompt
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
@@ -67,7 +68,9 @@ class LLM:
             checkpoint's.
         warm_up: Compile every step shape now (as a server does) instead of on first use.
         **engine_options: `EngineConfig` fields, e.g. `max_num_seqs=64`, `page_size=16`,
-            `max_model_len=1024`, `enable_prefix_caching=False`.
+            `max_model_len=1024`, `enable_prefix_caching=False`, and the device layout
+            `tensor_parallel_size=4`, `data_parallel_size=2`, `expert_parallel_size=4`
+            (vLLM's names; see `jaxinfer.engine.parallel`).
 
     Raises:
         ValueError: An unknown engine option (the valid ones are listed) or a bad value.
@@ -78,8 +81,7 @@ class LLM:
                  tokenizer: str | os.PathLike[str] | None = None, dtype: str | None = None,
                  warm_up: bool = False, **engine_options: Any) -> None:
         self.model_name = str(model)
-        self.engine = Engine.from_pretrained(model, tokenizer=tokenizer, dtype=dtype,
-                                             **engine_options)
+        self.engine = load_engine(model, tokenizer=tokenizer, dtype=dtype, **engine_options)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
         if warm_up:

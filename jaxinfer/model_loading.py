@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import load_hf_checkpoint, restore_model
-from checkpoints.hf import CONFIG_FILE
+from checkpoints.hf import CONFIG_FILE, read_hf_config
 from checkpoints.orbax_io import CONFIG_FILE as ORBAX_CONFIG_FILE
-from jaxinfer.config import PRESETS, get_preset
+from checkpoints.orbax_io import read_config as read_orbax_config
+from jaxinfer.config import PRESETS, ModelConfig, get_preset
 from jaxinfer.models import Transformer, create_model
 from jaxinfer.quant.checkpoint import is_quantized_checkpoint, restore_quantized_model
 
@@ -36,6 +37,27 @@ def resolve_model_path(model: str | os.PathLike[str]) -> Path:
                                     f"{sorted(BUILTIN_MODELS)}")
         return BUILTIN_DIRECTORY / BUILTIN_MODELS[builtin]
     return Path(name)
+
+
+def load_model_config(model: str | os.PathLike[str], **config_overrides: Any) -> ModelConfig:
+    """The ModelConfig `load_model(model, **config_overrides)` would build, without weights.
+
+    Lets callers check a model against a mesh (head counts, experts) before loading it.
+
+    Raises:
+        FileNotFoundError: As `load_model`.
+    """
+    name = str(model)
+    if name.startswith("random:"):
+        return get_preset(name.removeprefix("random:")).replace(**config_overrides)
+    path = resolve_model_path(name)
+    if (path / CONFIG_FILE).exists():
+        return read_hf_config(path, **config_overrides)
+    if is_quantized_checkpoint(path):
+        return restore_quantized_model(path).config
+    if (path / ORBAX_CONFIG_FILE).exists():
+        return read_orbax_config(path)
+    return load_model(model, **config_overrides).config  # raises the informative error
 
 
 def load_model(model: str | os.PathLike[str], *, mesh: Any = None,

@@ -251,3 +251,20 @@ def describe(state: Any) -> dict[str, PartitionSpec]:
         spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
         out[_path_name(path)] = spec
     return out
+
+
+def active_axis(logical_name: str) -> str | None:
+    """The mesh axis the active layout splits `logical_name` over, or None.
+
+    None when no mesh and layout are active, when the layout replicates the name, or when
+    its mesh axis has size 1 (nothing to split). Model code uses it to decide whether to
+    run a block per shard under `jax.shard_map`.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = flax_spmd.get_logical_axis_rules()
+    if mesh is None or mesh.empty or not rules:
+        return None
+    entry = logical_to_spec((logical_name,), rules, mesh.axis_names)[0]
+    if entry is None or not isinstance(entry, str):
+        return None  # tuple targets are not used for the names shard_map blocks split
+    return entry if dict(zip(mesh.axis_names, mesh.axis_sizes))[entry] > 1 else None

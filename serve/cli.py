@@ -19,6 +19,17 @@ import sys
 from pathlib import Path
 
 
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size, --data-parallel-size, --expert-parallel-size (vLLM's names)."""
+    group = parser.add_argument_group("parallelism (see jaxinfer.engine.parallel)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="devices one model is split over (heads, MLP, vocabulary)")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="independent engine replicas, each on its own devices")
+    group.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
+                       help="devices a MoE model's experts are split over")
+
+
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The EngineConfig fields a server takes (vLLM's flag names)."""
     engine = parser.add_argument_group("engine")
@@ -42,6 +53,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="ratio of consecutive buckets (fewer programs to compile)")
     engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter and compute dtype (default: the checkpoint's)")
+    add_parallel_arguments(parser)
 
 
 def register(subparsers: argparse._SubParsersAction,
@@ -87,17 +99,18 @@ def register(subparsers: argparse._SubParsersAction,
 def _run_serve(args: argparse.Namespace) -> int:
     from jaxinfer.cli import CommandError
     from jaxinfer.engine.async_engine import AsyncEngine
-    from jaxinfer.engine.engine import Engine
+    from jaxinfer.engine.data_parallel import load_engine
     from serve.server import Server, ServerAddress
     from serve.service import InferenceService, ServiceConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     options = {name: getattr(args, name) for name in (
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages",
-        "enable_prefix_caching", "enable_prompt_logprobs", "min_token_bucket", "bucket_growth")}
+        "enable_prefix_caching", "enable_prompt_logprobs", "min_token_bucket", "bucket_growth",
+        "tensor_parallel_size", "data_parallel_size", "expert_parallel_size")}
     try:
-        engine = Engine.from_pretrained(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-                                        **options)
+        engine = load_engine(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                             **options)
         service = InferenceService(AsyncEngine(engine, warm_up=True), ServiceConfig(
             model_name=args.served_model_name or args.model,
             max_queued_requests=args.max_queued_requests, api_key=args.api_key,

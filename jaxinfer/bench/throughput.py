@@ -55,6 +55,9 @@ class EngineSettings:
         speculative: The engine's `speculative` option (e.g. `{"method": "ngram",
             "num_tokens": 4}`), or None for plain decoding.
         kv_cache_dtype: "int8" for the quantized KV cache; None: the model's compute dtype.
+        tensor_parallel_size: Devices the model is split over (`jaxinfer.engine.parallel`).
+        data_parallel_size: Engine replicas.
+        expert_parallel_size: Devices a MoE model's experts are split over.
     """
 
     page_size: int = 16
@@ -65,6 +68,9 @@ class EngineSettings:
     bucket_growth: int = 2
     speculative: dict[str, Any] | None = None
     kv_cache_dtype: str | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
 
 def load_bench_model(model: str, **config_overrides: Any) -> Transformer:
@@ -88,16 +94,21 @@ def load_bench_model(model: str, **config_overrides: Any) -> Transformer:
 
 
 def build_engine(model: Transformer, settings: EngineSettings, max_model_len: int) -> Engine:
-    """An engine sized for the workload (prompt logprobs off: they double warm-up)."""
-    from jaxinfer.engine.engine import Engine, EngineConfig
+    """An engine sized for the workload (prompt logprobs off: they double warm-up), on the
+    devices its parallel sizes ask for (a `DataParallelEngine` for several replicas)."""
+    from jaxinfer.engine import data_parallel
+    from jaxinfer.engine.engine import EngineConfig
 
     pages = -(-max_model_len // settings.page_size)
-    return Engine(model, EngineConfig(
+    return data_parallel.build_engine(model, EngineConfig(
         page_size=settings.page_size, max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs, max_model_len=pages * settings.page_size,
         enable_prefix_caching=settings.enable_prefix_caching, enable_prompt_logprobs=False,
         min_token_bucket=settings.min_token_bucket, bucket_growth=settings.bucket_growth,
-        speculative=settings.speculative, kv_cache_dtype=settings.kv_cache_dtype))
+        speculative=settings.speculative, kv_cache_dtype=settings.kv_cache_dtype,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        data_parallel_size=settings.data_parallel_size,
+        expert_parallel_size=settings.expert_parallel_size))
 
 
 def speculative_summary(engine: Engine) -> dict[str, float] | None:

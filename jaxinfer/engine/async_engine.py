@@ -75,8 +75,10 @@ class AsyncEngine:
     @classmethod
     def from_pretrained(cls, model: str, *, warm_up: bool = True, **options: Any
                         ) -> AsyncEngine:
-        """`AsyncEngine(Engine.from_pretrained(model, **options))`, not yet started."""
-        return cls(Engine.from_pretrained(model, **options), warm_up=warm_up)
+        """`AsyncEngine(load_engine(model, **options))`, not yet started."""
+        from jaxinfer.engine.data_parallel import load_engine
+
+        return cls(load_engine(model, **options), warm_up=warm_up)
 
     # ------------------------------------------------------------------ lifecycle
 

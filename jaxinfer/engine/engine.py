@@ -41,10 +41,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxinfer.engine.draft_model import DraftModelProposer
 from jaxinfer.engine.output_processor import SampleState
 from jaxinfer.engine.outputs import RequestOutput, SpeculativeStats
+from jaxinfer.engine.parallel import ParallelConfig
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import ModelRunner, PromptLogprobs, RunnerConfig, SampledToken
 from jaxinfer.engine.sampling_params import SamplingParams
@@ -80,6 +82,10 @@ class EngineConfig:
             compiles fewer programs, so warm-up is faster).
         speculative: Speculative decoding, as a `SpeculativeConfig` or a dict of its fields
             (e.g. `{"method": "ngram", "num_tokens": 4, "max_ngram": 3}`); None turns it off.
+        tensor_parallel_size: Devices the model's heads, MLP and vocabulary are split over
+            (see `jaxinfer.engine.parallel`).
+        data_parallel_size: Independent engine replicas (`load_engine` builds them).
+        expert_parallel_size: Devices a MoE model's experts are split over.
     """
 
     page_size: int = 16
@@ -94,13 +100,24 @@ class EngineConfig:
     min_token_bucket: int = 8
     bucket_growth: int = 2
     speculative: SpeculativeConfig | Mapping[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        self.parallel  # noqa: B018 -- validates the three sizes now, naming a bad one
         if self.kv_cache_dtype not in (None, "int8"):
             raise ValueError(f"kv_cache_dtype = {self.kv_cache_dtype!r}: None or 'int8'")
         if self.kv_cache_dtype is not None and self.cache_dtype is not None:
             raise ValueError(f"give cache_dtype ({self.cache_dtype!r}) or kv_cache_dtype "
                              f"({self.kv_cache_dtype!r}), not both")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The tensor, data and expert parallel sizes."""
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              data_parallel_size=self.data_parallel_size,
+                              expert_parallel_size=self.expert_parallel_size)
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """This config with the None fields filled in for a model."""
@@ -221,26 +238,58 @@ def _logprob_dict(token_id: int, logprob: float, top_ids: np.ndarray,
     return entry
 
 
+def engine_config(engine_options: Mapping[str, Any]) -> EngineConfig:
+    """An EngineConfig from keyword options, naming the valid ones if any is unknown.
+
+    Raises:
+        ValueError: An unknown option or a bad value.
+    """
+    options = {field.name for field in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_options) - options)
+    if unknown:
+        raise ValueError(f"unknown engine options {unknown}; valid: {sorted(options)}")
+    return EngineConfig(**engine_options)
+
+
+def load_tokenizer_of(model: str | os.PathLike[str],
+                      tokenizer: str | os.PathLike[str] | None) -> Tokenizer | None:
+    """The tokenizer in `tokenizer` (must exist) or else in the model's directory (may not:
+    `random:PRESET` serves token ids only)."""
+    try:
+        return load_tokenizer(resolve_model_path(tokenizer if tokenizer is not None else model))
+    except FileNotFoundError:
+        if tokenizer is not None:
+            raise
+        return None
+
+
 class Engine:
     """Continuous batching over one model: add requests at any time, call `step()`."""
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, *,
-                 draft_model: Transformer | None = None) -> None:
+                 draft_model: Transformer | None = None, mesh: Mesh | None = None) -> None:
         """Builds the scheduler, the page pool and the jitted step (not yet compiled).
 
         Args:
-            model: The model to serve.
+            model: The model to serve, already placed on `mesh` if one is given.
             config: Engine options.
             tokenizer: For text prompts, output text and stop strings; None serves token ids.
             draft_model: The drafter for `speculative={"method": "draft_model", ...}`, if
                 already built; None loads the config's `model` name.
+            mesh: The replica's device mesh (see `jaxinfer.engine.parallel`); None: one
+                device. The page pool is split over it like the model's KV heads.
 
         Raises:
             ValueError: An invalid config (the field is named), or a drafter whose
                 vocabulary differs from the target's.
         """
         config = (config or EngineConfig()).resolved(model.config.max_position_embeddings)
+        if config.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size = {config.data_parallel_size}: an Engine is "
+                             "one replica; build replicas with "
+                             "jaxinfer.engine.load_engine or DataParallelEngine")
+        self.mesh = mesh
         self.config = config
         self.model = model
         self.model_config = model.config
@@ -260,7 +309,8 @@ class Engine:
             bucket_growth=config.bucket_growth,
             num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0,
             draft_distributions=(config.speculative is not None
-                                 and config.speculative.method == "draft_model")))
+                                 and config.speculative.method == "draft_model")),
+            mesh=mesh)
         self.speculative: SpeculativeConfig | None = config.speculative
         self.spec_stats = SpeculativeStats()
         self.drafter: DraftModelProposer | None = None
@@ -289,26 +339,22 @@ class Engine:
             tokenizer: Directory of the tokenizer files; None looks in the model's.
             dtype: "float32" or "bfloat16" for parameters and compute; None keeps the
                 checkpoint's.
-            **engine_options: `EngineConfig` fields.
+            **engine_options: `EngineConfig` fields; `tensor_parallel_size` and
+                `expert_parallel_size` place the model on a mesh of the first devices
+                (`jaxinfer.engine.data_parallel.load_engine` also builds DP replicas).
 
         Raises:
-            ValueError: An unknown engine option (the valid ones are listed) or a bad value.
+            ValueError: An unknown engine option (the valid ones are listed), a bad value, or
+                a parallel layout the model or the machine cannot take
+                (`jaxinfer.engine.parallel.ParallelConfigError`).
             FileNotFoundError: The model (or a given tokenizer) does not exist.
         """
-        options = {field.name for field in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(engine_options) - options)
-        if unknown:
-            raise ValueError(f"unknown engine options {unknown}; valid: {sorted(options)}")
-        overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
-        network = load_model(model, **overrides)
-        try:
-            loaded = load_tokenizer(resolve_model_path(
-                tokenizer if tokenizer is not None else model))
-        except FileNotFoundError:
-            if tokenizer is not None:
-                raise
-            loaded = None  # e.g. random:PRESET serves token ids only
-        return cls(network, EngineConfig(**engine_options), loaded)
+        from jaxinfer.engine.data_parallel import load_engine
+
+        if engine_config(engine_options).data_parallel_size != 1:
+            raise ValueError("data_parallel_size > 1 builds several engines: use "
+                             "jaxinfer.engine.data_parallel.load_engine")
+        return load_engine(model, tokenizer=tokenizer, dtype=dtype, **engine_options)
 
     def warm_up(self) -> float:
         """Compiles every bucket of the device step (and the drafter's); returns seconds."""

@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.engine.sampler import (
     SamplingArrays,
@@ -44,6 +45,7 @@ from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.scheduler import ScheduledRequest
 from jaxinfer.engine.spec_decode import Verification, sampling_probabilities, verify
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
+from jaxinfer.sharding import activate, active_axis
 
 
 def power_of_two_buckets(smallest: int, largest: int, growth: int = 2) -> tuple[int, ...]:
@@ -203,21 +205,52 @@ class ModelRunner:
     allowed, with `enable_prompt_logprobs`.
     """
 
-    def __init__(self, model: Transformer, config: RunnerConfig) -> None:
+    def __init__(self, model: Transformer, config: RunnerConfig, *, mesh: Mesh | None = None,
+                 layout: str = "tensor_parallel") -> None:
+        """Builds the page pool and the jitted steps (not yet compiled).
+
+        Args:
+            model: The model, already placed on `mesh` under `layout` when one is given.
+            config: The step's static sizes.
+            mesh: The devices the model is sharded over (None: one device). The page pool
+                is split over the mesh axis that splits KV heads, so each device holds the
+                pages of its own heads; inputs are replicated and outputs gathered.
+            layout: The sharding layout the model was placed with.
+        """
         self.config = config
         self.model_config = model.config
+        self.mesh = mesh
+        self.layout = layout
         self.graphdef, self.state = nnx.split(model)
-        empty = PagedBatch(*(jnp.zeros((1,), jnp.int32) for _ in range(5)))
-        cache = PagedKVCache.create(model.config, config.num_pages, config.page_size, empty,
-                                    dtype=config.cache_dtype)
-        self.pages = cache.layers
-        self.scales = cache.scales  # None unless the cache is int8
+        self.pages, self.scales = self._allocate_pages()  # scales: None unless int8
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._step = jax.jit(functools.partial(self._device_step, with_prompt_logprobs=False),
                              donate_argnums=(1, 2))
         self._prompt_step = jax.jit(
             functools.partial(self._device_step, with_prompt_logprobs=True),
             donate_argnums=(1, 2))
         self.warm_up_seconds: float | None = None
+
+    def _allocate_pages(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
+        """The zeroed page pool (and int8 scales), created directly on their shards."""
+        config = self.config
+        empty = PagedBatch(*(jnp.zeros((1,), jnp.int32) for _ in range(5)))
+
+        def create() -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
+            cache = PagedKVCache.create(self.model_config, config.num_pages, config.page_size,
+                                        empty, dtype=config.cache_dtype)
+            return cache.layers, cache.scales
+
+        if self.mesh is None:
+            return create()
+        with activate(self.mesh, self.layout):
+            axis = active_axis("act_kv_heads")
+        pool = NamedSharding(self.mesh, PartitionSpec(None, None, axis, None))
+        scale = NamedSharding(self.mesh, PartitionSpec(None, None, axis))
+        shapes = jax.eval_shape(create)
+        shardings = (tuple(pool for _ in shapes[0]),
+                     None if shapes[1] is None else tuple(scale for _ in shapes[1]))
+        return jax.jit(create, out_shardings=shardings)()
 
     # ------------------------------------------------------------------ device step
 
@@ -244,6 +277,10 @@ class ModelRunner:
         else:
             last_hidden = hidden[0, last_token_index][None]  # [1, S, D]
             logits = model.logits(last_hidden)[0]  # [S, V]
+        if self._replicated is not None:
+            # The LM head leaves logits split over the vocabulary; gather them once here,
+            # so sampling's sorts and top-k run on whole rows.
+            logits = jax.lax.with_sharding_constraint(logits, self._replicated)  # [S, V]
         # The key depends only on the request's seed and how many tokens it has sampled, so a
         # seeded request draws the same tokens whatever else is in the batch, and after a
         # preemption it redraws exactly what it drew before.
@@ -269,6 +306,9 @@ class ModelRunner:
                                         draft_token_ids, num_draft_tokens, draft_probs)
             result.update(spec_tokens=verification.token_ids,
                           num_accepted=verification.num_accepted)
+        if self._replicated is not None:
+            # Every process reads the step's results (small: [S] tokens, [S, K] logprobs).
+            result = jax.lax.with_sharding_constraint(result, self._replicated)
         return cache.layers, cache.scales, result
 
     def _verify(self, model: Transformer, hidden: jax.Array, last_token_index: jax.Array,
@@ -398,9 +438,7 @@ class ModelRunner:
             raise ValueError(f"requests {sorted(wants_prompt)} ask for prompt_logprobs, which "
                              "this runner was built without (enable_prompt_logprobs=False)")
         step = self._prompt_step if wants_prompt else self._step
-        self.pages, self.scales, result = step(self.state, self.pages, self.scales,
-                                               *self._pack(sequences, num_tokens, num_seqs))
-        result = jax.device_get(result)
+        result = jax.device_get(self._run(step, self._pack(sequences, num_tokens, num_seqs)))
         sampled, prompt, speculated = {}, {}, {}
         offset = 0
         for s, sequence in enumerate(sequences):
@@ -424,6 +462,21 @@ class ModelRunner:
             offset += len(sequence.token_ids)
         return RunnerOutput(sampled, prompt, speculated)
 
+    def _run(self, step: Callable[..., tuple], packed: tuple) -> dict[str, jax.Array]:
+        """Runs a jitted step on packed host inputs; updates the pool, returns the results.
+
+        On a mesh the inputs become replicated global arrays (each process gives the whole
+        value, as `make_array_from_process_local_data` expects of a replicated array), and the
+        step runs under the mesh and layout, which are part of what it was compiled for.
+        """
+        if self._replicated is not None:
+            packed = jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(self._replicated, x), packed)
+        with activate(self.mesh, self.layout):
+            self.pages, self.scales, result = step(self.state, self.pages, self.scales,
+                                                   *packed)
+        return result
+
     def warm_up(self) -> float:
         """Compiles the step for every (token bucket, sequence bucket) pair; returns seconds.
 
@@ -438,9 +491,7 @@ class ModelRunner:
                 if num_seqs > num_tokens:
                     continue  # a step never has more sequences than tokens
                 for step in steps:
-                    self.pages, self.scales, result = step(
-                        self.state, self.pages, self.scales,
-                        *self._pack([], num_tokens, num_seqs))
+                    result = self._run(step, self._pack([], num_tokens, num_seqs))
         jax.block_until_ready(result)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds

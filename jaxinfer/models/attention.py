@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import (
@@ -24,7 +25,7 @@ from jaxinfer.models.layers import (
     make_param,
 )
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
-from jaxinfer.sharding import constrain
+from jaxinfer.sharding import active_axis, constrain
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     write_to_pages,
@@ -198,20 +199,47 @@ class Attention(nnx.Module):
 
         An int8 pool (with scales) quantizes the new rows as it writes them, and attention
         dequantizes the rows it reads; a float pool is read in the compute dtype.
+
+        Under tensor parallelism (the active layout splits KV heads over a mesh axis) each
+        shard runs this on its own heads: its queries `[T, N/M, H]`, its new keys and values
+        `[T, K/M, H]` and its slice `[P, page_size, 2K/M, H]` of the pool, which holds exactly
+        those KV heads because K and V are interleaved per head. Attention needs nothing from
+        other heads, so the block runs without communication; o_proj then sums over heads.
         """
         batch = cache.batch
-        if cache.scales is None:
-            pages = write_to_pages(cache.pages, keys[0], values[0],
+        axis = active_axis("act_kv_heads")
+        if axis is None:
+            attended, pages, scales = self._paged_local(queries[0], keys[0], values[0],
+                                                        cache.pages, cache.scales, batch)
+        else:
+            heads = PartitionSpec(None, axis, None)  # [T, N|K, H]
+            pool = PartitionSpec(None, None, axis, None)  # [P, page_size, 2K, H]
+            scale_spec = None if cache.scales is None else PartitionSpec(None, None, axis)
+            attended, pages, scales = jax.shard_map(
+                self._paged_local,
+                in_specs=(heads, heads, heads, pool, scale_spec, PartitionSpec()),
+                out_specs=(heads, pool, scale_spec), check_vma=False,
+            )(queries[0], keys[0], values[0], cache.pages, cache.scales, batch)
+        out = self._output_projection(attended[None])  # [1, T, D]
+        return out, PagedLayerCache(pages, batch, scales)
+
+    def _paged_local(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
+                     pages: jax.Array, scales: jax.Array | None, batch: PagedBatch
+                     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """`_paged` on one shard's heads: queries `[T, N, H]`, keys and values `[T, K, H]`,
+        the pool `[P, page_size, 2K, H]` (scales `[P, page_size, 2K]`); returns the
+        attention outputs `[T, N, H]` and the updated pool and scales."""
+        if scales is None:
+            pages = write_to_pages(pages, keys, values,
                                    batch.slot_mapping)  # [P, page_size, 2K, H]
-            scales, read = None, pages.astype(self.dtype)
+            read = pages.astype(self.dtype)
         else:
             pages, scales = write_to_quantized_pages(
-                cache.pages, cache.scales, keys[0], values[0],
+                pages, scales, keys, values,
                 batch.slot_mapping)  # [P, page_size, 2K, H] int8, [P, page_size, 2K]
             read = pages
         attended = ragged_paged_attention(
-            queries[0], read, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
+            queries, read, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
             batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
-            sliding_window=self.sliding_window, kv_scales=scales)[None]  # [1, T, N, H]
-        out = self._output_projection(attended)
-        return out, PagedLayerCache(pages, batch, scales)  # [1, T, D]
+            sliding_window=self.sliding_window, kv_scales=scales)  # [T, N, H]
+        return attended, pages, scales

@@ -10,10 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import dtype_of, linear_input, make_param
-from pallas_kernels.moe import moe_ffn
+from jaxinfer.sharding import active_axis
+from pallas_kernels.moe import moe_ffn, moe_ffn_local_experts, route_top_k
 
 
 class MoEBlock(nnx.Module):
@@ -36,8 +38,46 @@ class MoEBlock(nnx.Module):
         tokens = linear_input(x).reshape(batch * length, width)  # [M, D]
         router_logits = jnp.einsum("md,de->me", tokens, self.router[...].astype(self.dtype),
                                    preferred_element_type=jnp.float32)  # [M, E]
-        out = moe_ffn(tokens, router_logits, self.gate_proj[...].astype(self.dtype),
-                      self.up_proj[...].astype(self.dtype),
-                      self.down_proj[...].astype(self.dtype), self.top_k,
-                      implementation=self.implementation)  # [M, D]
+        gate, up, down = (weight[...].astype(self.dtype)
+                          for weight in (self.gate_proj, self.up_proj, self.down_proj))
+        expert_axis, mlp_axis = active_axis("expert"), active_axis("mlp")
+        if expert_axis is None and mlp_axis is None:
+            out = moe_ffn(tokens, router_logits, gate, up, down, self.top_k,
+                          implementation=self.implementation)  # [M, D]
+        else:
+            out = self._sharded(tokens, router_logits, gate, up, down, expert_axis, mlp_axis)
         return out.reshape(batch, length, width)  # [B, T, D]
+
+    def _sharded(self, tokens: jax.Array, router_logits: jax.Array, gate: jax.Array,
+                 up: jax.Array, down: jax.Array, expert_axis: str | None,
+                 mlp_axis: str | None) -> jax.Array:
+        """Expert (and tensor) parallel MoE: each shard runs its own experts on the tokens
+        routed to them.
+
+        Every shard sees all tokens (a decode step's batch is small, so replicating it costs
+        less than an all-to-all) and routes them the same way; it computes the outputs of
+        its `E / expert_shards` experts, each split along the MLP width over `mlp_axis`,
+        and one sum over both axes adds the partial outputs. Assignments to other shards'
+        experts cost nothing: they are sorted past the local groups.
+        """
+        weights, experts = route_top_k(router_logits, self.top_k)  # [M, k], [M, k]
+        implementation = "auto" if self.implementation in ("dense", "sorted") else (
+            self.implementation)
+        summed = tuple(axis for axis in (expert_axis, mlp_axis) if axis is not None)
+
+        def local(tokens: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
+                  up: jax.Array, down: jax.Array) -> jax.Array:
+            first = 0 if expert_axis is None else (
+                jax.lax.axis_index(expert_axis) * gate.shape[0])
+            partial = moe_ffn_local_experts(tokens, weights, experts, gate, up, down, first,
+                                            implementation)  # [M, D] float32
+            return jax.lax.psum(partial, summed)
+
+        expert_spec = PartitionSpec(expert_axis, None, mlp_axis)  # [E, D, F]
+        down_spec = PartitionSpec(expert_axis, mlp_axis, None)  # [E, F, D]
+        out = jax.shard_map(
+            local, in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), expert_spec,
+                             expert_spec, down_spec),
+            out_specs=PartitionSpec(), check_vma=False,
+        )(tokens, weights, experts, gate, up, down)  # [M, D] float32
+        return out.astype(tokens.dtype)

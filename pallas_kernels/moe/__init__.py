@@ -9,6 +9,8 @@
   sorted path with its grouped matmuls in the Pallas kernel (`kernel.grouped_matmul`).
 
 `grouped_matmul` is the grouped matmul itself as a public op, with the same dispatch names.
+`moe_ffn_local_experts` is one expert-parallel shard's part: the contribution of the experts
+it holds to already-routed tokens, to be summed over the expert axis.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pallas_kernels.moe.reference import (
     grouped_matmul_reference,
     moe_dense,
     moe_sorted,
+    moe_sorted_partial,
     permute,
     route_top_k,
     sort_by_expert,
@@ -37,6 +40,7 @@ __all__ = [
     "grouped_matmul_reference",
     "moe_dense",
     "moe_ffn",
+    "moe_ffn_local_experts",
     "moe_sorted",
     "permute",
     "route_top_k",
@@ -128,3 +132,37 @@ def moe_ffn(
     kernel_matmul = functools.partial(grouped_matmul, implementation=choice)
     return moe_sorted(x, weights, experts, gate, up, down,
                       grouped_matmul=kernel_matmul)  # [M, D]
+
+
+def moe_ffn_local_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    first_expert: jax.Array | int,
+    implementation: str = "auto",
+) -> jax.Array:
+    """The contribution of experts `first_expert .. first_expert + E - 1` to routed tokens.
+
+    Args:
+        x: `[M, D]` tokens.
+        weights: `[M, k]` routing weights (`route_top_k`).
+        experts: `[M, k]` global expert ids.
+        gate: `[E, D, F]` the local experts' gate projections.
+        up: `[E, D, F]`.
+        down: `[E, F, D]`.
+        first_expert: Global id of local expert 0.
+        implementation: A `pallas_kernels.dispatch.CHOICES` name for the grouped matmuls.
+
+    Returns:
+        `[M, D]` float32; the sum over all shards equals `moe_ffn` (before its final cast).
+    """
+    choice = dispatch.resolve(implementation)
+    if choice in ("xla", "reference"):
+        return moe_sorted_partial(x, weights, experts, gate, up, down,
+                                  first_expert=first_expert)  # [M, D]
+    kernel_matmul = functools.partial(grouped_matmul, implementation=choice)
+    return moe_sorted_partial(x, weights, experts, gate, up, down, grouped_matmul=kernel_matmul,
+                              first_expert=first_expert)  # [M, D]

@@ -183,8 +183,40 @@ def moe_sorted(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.A
     Returns:
         `[M, D]` in the dtype of `x`.
     """
-    rows, order, group_sizes = permute(x, experts, gate.shape[0])  # [M*k, D], [M*k], [E]
+    return moe_sorted_partial(x, weights, experts, gate, up, down,
+                              grouped_matmul=grouped_matmul).astype(x.dtype)  # [M, D]
+
+
+def moe_sorted_partial(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
+                       up: jax.Array, down: jax.Array, *,
+                       grouped_matmul: GroupedMatmul = _ragged_dot,
+                       first_expert: jax.Array | int = 0) -> jax.Array:
+    """The part of the MoE output that the experts `first_expert .. first_expert + E - 1` give.
+
+    Expert parallelism runs this on each shard with its `E` local experts: assignments to
+    other experts are sorted past every local group, where the grouped matmul leaves zeros,
+    so they add nothing; summing the shards' results over the expert axis gives `moe_sorted`.
+
+    Args:
+        x: `[M, D]` tokens.
+        weights: `[M, k]` routing weights.
+        experts: `[M, k]` chosen (global) expert ids.
+        gate: `[E, D, F]` the local experts' weights (likewise `up`, and `down` `[E, F, D]`).
+        up: `[E, D, F]`.
+        down: `[E, F, D]`.
+        grouped_matmul: As for `moe_sorted`.
+        first_expert: Global id of local expert 0 (a traced value under `shard_map`).
+
+    Returns:
+        `[M, D]` float32.
+    """
+    num_local = gate.shape[0]
+    local = experts - first_expert  # [M, k]
+    # Non-local assignments get the extra id num_local: sorted last, outside every group.
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # [M, k]
+    rows, order, group_sizes = permute(x, local, num_local + 1)  # [M*k, D], [M*k], [E + 1]
+    group_sizes = group_sizes[:num_local]  # [E]
     hidden = jax.nn.silu(grouped_matmul(rows, gate, group_sizes)) * grouped_matmul(
         rows, up, group_sizes)  # [M*k, F]
     out_sorted = grouped_matmul(hidden, down, group_sizes)  # [M*k, D]
-    return unpermute(out_sorted, order, weights).astype(x.dtype)  # [M, D]
+    return unpermute(out_sorted, order, weights)  # [M, D] float32

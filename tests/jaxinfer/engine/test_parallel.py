@@ -1,0 +1,166 @@
+"""The engine on a mesh of 8 simulated CPU devices: tensor, data and expert parallel layouts
+give the single-device engine's greedy tokens, with weights and KV pages where they belong."""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec
+
+from jaxinfer.config import get_preset
+from jaxinfer.engine.data_parallel import DataParallelEngine, build_engine, load_engine
+from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.parallel import ParallelConfig, ParallelConfigError
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.models import create_model
+from jaxinfer.sharding import describe
+
+NEW_TOKENS = 6
+NUM_REQUESTS = 32
+
+# 16 query heads over 8 KV heads, so TP = 8 still gives each device a whole KV head (and GQA
+# groups of 2 stay on one device at every TP size).
+WIDE = get_preset("tiny").replace(hidden_size=128, intermediate_size=256, num_heads=16,
+                                  num_kv_heads=8)
+MOE = get_preset("tiny-moe")
+
+
+def _engine_options(**parallel) -> dict:
+    return dict(page_size=8, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
+                enable_prompt_logprobs=False, bucket_growth=4, **parallel)
+
+
+def _workload(vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """32 prompts of 1 to 150 tokens, some sharing a prefix, and random arrival steps."""
+    rng = random.Random(7)
+    shared = [rng.randrange(3, vocab_size) for _ in range(40)]
+    prompts = []
+    for index in range(NUM_REQUESTS):
+        length = rng.choice([1, 3, 17, 48, 90, 150])
+        prompt = [rng.randrange(3, vocab_size) for _ in range(length)]
+        if index % 4 == 0 and length > 40:
+            prompt[:40] = shared
+        prompts.append(prompt)
+    return prompts, sorted(rng.randrange(0, 12) for _ in prompts)
+
+
+def _run(engine, prompts, arrivals) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    pending, step = list(range(len(prompts))), 0
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            index = pending.pop(0)
+            engine.add_request(str(index), prompts[index], params)
+        for output in engine.step():
+            outputs[output.request_id] = output.outputs[0].token_ids
+        step += 1
+    return [outputs[str(index)] for index in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def wide_model():
+    return create_model(WIDE, seed=3)
+
+
+@pytest.fixture(scope="module")
+def wide_reference(wide_model):
+    prompts, arrivals = _workload(WIDE.vocab_size)
+    engine = Engine(wide_model, EngineConfig(**_engine_options()))
+    return prompts, arrivals, _run(engine, prompts, arrivals)
+
+
+def _pool_spec(engine: Engine) -> PartitionSpec:
+    return engine.runner.pages[0].sharding.spec
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [2, 4, 8])
+def test_tensor_parallel_equals_one_device(wide_model, wide_reference, tensor_parallel_size):
+    prompts, arrivals, expected = wide_reference
+    engine = build_engine(wide_model, EngineConfig(
+        **_engine_options(tensor_parallel_size=tensor_parallel_size)))
+    assert isinstance(engine, Engine)
+    # Weights: heads and MLP width split over 'model'; the pool split on its KV-head axis.
+    specs = describe(engine.runner.state)
+    assert specs["layers.0.attention.q_proj"] == PartitionSpec(None, "model", None)
+    assert specs["layers.0.attention.k_proj"] == PartitionSpec(None, "model", None)
+    assert specs["layers.0.mlp.down_proj"] == PartitionSpec("model", None)
+    assert _pool_spec(engine) == PartitionSpec(None, None, "model", None)
+    pages = engine.runner.pages[0]  # [P, page_size, 2K, H]
+    shard_shapes = {shard.data.shape for shard in pages.addressable_shards}
+    assert shard_shapes == {(pages.shape[0], pages.shape[1], 2 * WIDE.num_kv_heads
+                             // tensor_parallel_size, WIDE.head_dim)}
+    assert len(pages.sharding.device_set) == tensor_parallel_size
+    assert _run(engine, prompts, arrivals) == expected
+    assert engine.num_free_pages == engine.config.num_pages - 1
+
+
+def test_data_parallel_of_tensor_parallel_replicas(wide_model, wide_reference):
+    prompts, arrivals, expected = wide_reference
+    engine = build_engine(wide_model, EngineConfig(
+        **_engine_options(tensor_parallel_size=4, data_parallel_size=2)))
+    assert isinstance(engine, DataParallelEngine)
+    first, second = engine.replicas
+    # Each replica on its own four devices, its pool split over them.
+    devices = [set(replica.runner.pages[0].sharding.device_set) for replica in engine.replicas]
+    assert len(devices[0]) == len(devices[1]) == 4 and not devices[0] & devices[1]
+    weights = first.runner.state["layers"][0]["attention"]["q_proj"].get_value()
+    assert set(weights.sharding.device_set) == devices[0]
+    assert _pool_spec(first) == _pool_spec(second) == PartitionSpec(None, None, "model", None)
+    assert _run(engine, prompts, arrivals) == expected
+    # Both replicas took work, and neither leaked a page.
+    assert first.num_steps > 0 and second.num_steps > 0
+    assert engine.num_free_pages == sum(replica.config.num_pages - 1
+                                        for replica in engine.replicas)
+    assert engine.stats().num_running == 0
+    engine.shutdown()
+
+
+def test_expert_parallel_mixtral_equals_one_device():
+    model = create_model(MOE, seed=5)
+    prompts, arrivals = _workload(MOE.vocab_size)
+    expected = _run(Engine(model, EngineConfig(**_engine_options())), prompts, arrivals)
+    engine = build_engine(model, EngineConfig(**_engine_options(expert_parallel_size=4)))
+    specs = describe(engine.runner.state)
+    # Experts over 'expert' (the replica's 'model' axis has size 1 here).
+    assert specs["layers.0.mlp.gate_proj"] == PartitionSpec("expert", None, "model")
+    assert specs["layers.0.mlp.down_proj"] == PartitionSpec("expert", "model", None)
+    gate = engine.runner.state["layers"][0]["mlp"]["gate_proj"].get_value()  # [E, D, F]
+    assert {shard.data.shape[0] for shard in gate.addressable_shards} == {1}  # 1 expert each
+    assert len(gate.sharding.device_set) == 4
+    assert _run(engine, prompts, arrivals) == expected
+
+
+def test_invalid_layouts_fail_at_start_with_a_message(wide_model):
+    tiny = create_model(get_preset("tiny"), seed=0)  # 2 KV heads
+    with pytest.raises(ParallelConfigError, match="tensor_parallel_size = 4 does not divide"):
+        build_engine(tiny, EngineConfig(**_engine_options(tensor_parallel_size=4)))
+    with pytest.raises(ParallelConfigError, match="16 devices, but only 8"):
+        build_engine(wide_model, EngineConfig(
+            **_engine_options(tensor_parallel_size=8, data_parallel_size=2)))
+    with pytest.raises(ParallelConfigError, match="no experts"):
+        build_engine(tiny, EngineConfig(**_engine_options(expert_parallel_size=2)))
+    with pytest.raises(ParallelConfigError, match="must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ParallelConfigError, match="does not divide the model's 4 experts"):
+        ParallelConfig(expert_parallel_size=3).check_model(MOE)
+    # Checked before any weight is read.
+    with pytest.raises(ParallelConfigError, match="tensor_parallel_size = 8"):
+        load_engine("random:tiny", tensor_parallel_size=8)
+    assert len(jax.devices()) == 8
+
+
+def test_llm_takes_vllm_parallel_keywords():
+    from jaxinfer import LLM
+
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    options = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                   enable_prompt_logprobs=False, bucket_growth=4)
+    single = LLM("random:tiny", **options).generate(prompts, params)
+    sharded = LLM("random:tiny", tensor_parallel_size=2, data_parallel_size=2, **options)
+    assert isinstance(sharded.engine, DataParallelEngine)
+    assert ([output.outputs[0].token_ids for output in sharded.generate(prompts, params)]
+            == [output.outputs[0].token_ids for output in single])
