@@ -11,7 +11,8 @@ that joins the processes, so they are spelled the same everywhere:
     --distributed                     join with the platform's auto-detection (TPU pods,
                                       SLURM, Open MPI) instead of explicit settings
 
-With none of them given, nothing is initialized and the process runs alone.
+With none of them given, nothing is initialized and the process runs alone. The leader ->
+followers step channel and the failure handling are in `jaxinfer.multihost`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import argparse
 import dataclasses
 
 import jax
+
+from jaxinfer import multihost
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +96,9 @@ def initialize(config: DistributedConfig) -> bool:
     """Joins the multi-process run `config` describes; does nothing when it is disabled.
 
     Must run before anything touches a JAX device. On CPU the cross-process collectives go
-    through gloo, which this selects.
+    through gloo, which this selects. It also makes an uncaught exception end the process at
+    once (`jaxinfer.multihost.exit_on_uncaught_exception`): left to itself, a failing process
+    would wait in `jax.distributed.shutdown`'s barrier for the others, and they for it.
 
     Returns:
         Whether `jax.distributed` was initialized.
@@ -113,6 +118,7 @@ def initialize(config: DistributedConfig) -> bool:
                               if config.local_device_ids is not None else None),
             initialization_timeout=config.initialization_timeout,
             heartbeat_timeout_seconds=config.heartbeat_timeout_seconds)
+    multihost.exit_on_uncaught_exception()
     return True
 
 
