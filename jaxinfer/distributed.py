@@ -20,10 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import jax
-
-from jaxinfer import multihost
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
@@ -105,6 +101,11 @@ def initialize(config: DistributedConfig) -> bool:
     """
     if not config.enabled:
         return False
+    # Imported here, so that registering the flags (`jaxinfer --help`) does not load jax.
+    import jax
+
+    from jaxinfer import multihost
+
     # Only the CPU client reads this; on TPU/GPU the accelerator's own collectives serve.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if config.auto_detect:
@@ -124,4 +125,6 @@ def initialize(config: DistributedConfig) -> bool:
 
 def is_leader() -> bool:
     """Whether this is process 0, the one that runs front ends and the scheduler."""
+    import jax
+
     return jax.process_index() == 0

@@ -17,6 +17,12 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jaxinfer import distributed
+
+if TYPE_CHECKING:
+    from jaxinfer.multihost import StepChannel
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +90,7 @@ def register(subparsers: argparse._SubParsersAction,
     serve.add_argument("--grace-period", type=float, default=10.0,
                        help="seconds a stop waits for in-flight requests")
     _add_engine_options(serve)
+    distributed.add_arguments(serve)
     serve.set_defaults(handler=_run_serve)
 
     from serve.bench_serve import add_arguments
@@ -98,12 +105,32 @@ def register(subparsers: argparse._SubParsersAction,
 
 def _run_serve(args: argparse.Namespace) -> int:
     from jaxinfer.cli import CommandError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        # Before anything touches a device: a multi-host run joins jax.distributed first.
+        distributed.initialize(distributed.config_from_args(args))
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    import jax
+
+    if jax.process_count() == 1:
+        return _serve(args, channel=None)
+    from jaxinfer.multihost import StepChannel
+
+    with StepChannel.connect() as channel:
+        return _serve(args, channel=channel)
+
+
+def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
+    """Loads the engine; process 0 serves it, other processes follow its steps."""
+    from jaxinfer.cli import CommandError
     from jaxinfer.engine.async_engine import AsyncEngine
     from jaxinfer.engine.data_parallel import load_engine
+    from jaxinfer.engine.multihost_steps import follow, lead
     from serve.server import Server, ServerAddress
     from serve.service import InferenceService, ServiceConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     options = {name: getattr(args, name) for name in (
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages",
         "enable_prefix_caching", "enable_prompt_logprobs", "min_token_bucket", "bucket_growth",
@@ -111,6 +138,17 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         engine = load_engine(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                              **options)
+        if channel is not None and not channel.is_leader:
+            import jax
+
+            print(f"jaxinfer: process {jax.process_index()} of {jax.process_count()} runs "
+                  f"process 0's steps on its devices", flush=True)
+            steps = follow(engine, channel)
+            print(f"jaxinfer: process {jax.process_index()}: the leader stopped after "
+                  f"{steps} steps", flush=True)
+            return 0
+        if channel is not None:
+            lead(engine, channel)
         service = InferenceService(AsyncEngine(engine, warm_up=True), ServiceConfig(
             model_name=args.served_model_name or args.model,
             max_queued_requests=args.max_queued_requests, api_key=args.api_key,

@@ -34,16 +34,18 @@ class ServerProcess:
         ready_timeout_s: Longest wait for /health (warm-up compiles first).
         capture_output: Keep the server's stdout/stderr (in `output` after the stop) instead
             of letting it print.
+        env: The server's environment (None: this process's).
     """
 
     def __init__(self, model: str, *options: str, ready_timeout_s: float = 900.0,
-                 capture_output: bool = False) -> None:
+                 capture_output: bool = False, env: dict[str, str] | None = None) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         self.command = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", model,
                         "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
                         *options]
         self.ready_timeout_s = ready_timeout_s
         self.capture_output = capture_output
+        self.env = env
         self.process: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.output = ""
@@ -57,7 +59,8 @@ class ServerProcess:
         """
         pipe = subprocess.PIPE if self.capture_output else None
         self.process = subprocess.Popen(self.command, stdout=pipe,
-                                        stderr=subprocess.STDOUT if pipe else None, text=True)
+                                        stderr=subprocess.STDOUT if pipe else None, text=True,
+                                        env=self.env)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

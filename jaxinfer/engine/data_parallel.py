@@ -19,6 +19,9 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
+from jax.sharding import Mesh
+
 from jaxinfer.engine.engine import (
     Engine,
     EngineConfig,
@@ -83,8 +86,10 @@ class DataParallelEngine:
     def step(self) -> list[RequestOutput]:
         """Steps every replica with work, concurrently; returns all their outputs."""
         busy = [replica for replica in self.replicas if replica.has_unfinished_requests()]
-        if len(busy) <= 1:
-            outputs = busy[0].step() if busy else []
+        if len(busy) <= 1 or jax.process_count() > 1:
+            # Several processes must launch the replicas' programs in one agreed order (the
+            # order the leader sends them to the followers), so they run one after another.
+            outputs = [output for replica in busy for output in replica.step()]
         else:
             futures = [self._pool.submit(replica.step) for replica in busy]
             outputs = [output for future in futures for output in future.result()]
@@ -95,6 +100,8 @@ class DataParallelEngine:
 
     def warm_up(self) -> float:
         """Compiles every replica's steps, concurrently; returns the wall-clock seconds."""
+        if jax.process_count() > 1:
+            return sum(replica.warm_up() for replica in self.replicas)
         futures = [self._pool.submit(replica.warm_up) for replica in self.replicas]
         return max(future.result() for future in futures)
 
@@ -156,10 +163,8 @@ def build_engine(model: Transformer, config: EngineConfig,
     meshes = parallel.replica_meshes()
     if meshes is None:
         return Engine(model, config, tokenizer)
-    replica_config = dataclasses.replace(config, data_parallel_size=1)
-    engines = [Engine(place_on_mesh(model, mesh), replica_config, tokenizer, mesh=mesh)
-               for mesh in meshes]
-    return engines[0] if len(engines) == 1 else DataParallelEngine(engines, config)
+    return _replicated(config, tokenizer, [place_on_mesh(model, mesh) for mesh in meshes],
+                       meshes)
 
 
 def load_engine(model: str | os.PathLike[str], *,
@@ -168,7 +173,9 @@ def load_engine(model: str | os.PathLike[str], *,
     """Loads a model and builds the engine its options ask for.
 
     The parallel layout is checked against the model's config before any weight is read,
-    and the weights are read straight onto the first replica's devices.
+    and the weights are read straight onto the replicas' devices: once, then copied to
+    the other replicas in one process; once per replica in a multi-process run, where one
+    program cannot copy between device sets that span several hosts.
 
     Args:
         model: As `Engine.from_pretrained`.
@@ -188,5 +195,18 @@ def load_engine(model: str | os.PathLike[str], *,
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
     config.parallel.check_model(load_model_config(model, **overrides))
     meshes = config.parallel.replica_meshes()
-    network = load_model(model, mesh=None if meshes is None else meshes[0], **overrides)
-    return build_engine(network, config, load_tokenizer_of(model, tokenizer))
+    loaded_tokenizer = load_tokenizer_of(model, tokenizer)
+    if meshes is None or jax.process_count() == 1:
+        network = load_model(model, mesh=None if meshes is None else meshes[0], **overrides)
+        return build_engine(network, config, loaded_tokenizer)
+    models = [load_model(model, mesh=mesh, **overrides) for mesh in meshes]
+    return _replicated(config, loaded_tokenizer, models, meshes)
+
+
+def _replicated(config: EngineConfig, tokenizer: Tokenizer | None, models: list[Transformer],
+                meshes: list[Mesh]) -> Engine | DataParallelEngine:
+    """One engine per (model, mesh); a DataParallelEngine over them if more than one."""
+    replica_config = dataclasses.replace(config, data_parallel_size=1)
+    engines = [Engine(network, replica_config, tokenizer, mesh=mesh)
+               for network, mesh in zip(models, meshes, strict=True)]
+    return engines[0] if len(engines) == 1 else DataParallelEngine(engines, config)

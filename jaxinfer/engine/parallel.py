@@ -100,13 +100,17 @@ class ParallelConfig:
                     f"{config.num_experts} experts")
 
     def replica_meshes(self, devices: Sequence[jax.Device] | None = None) -> list[Mesh] | None:
-        """One mesh per data-parallel replica, on consecutive devices; None on one device.
+        """One mesh per data-parallel replica; None on one device.
 
         A replica's mesh is ('model',) of TP devices, or ('expert', 'model') of EP x TP
-        devices when EP > 1.
+        devices when EP > 1. In one process, replica r takes devices r x TP x EP onwards. In a
+        multi-process run every replica takes an equal share of every process's devices,
+        because process 0 schedules every replica and must take part in (and read the
+        results of) each replica's steps.
 
         Raises:
-            ParallelConfigError: More devices are asked for than there are.
+            ParallelConfigError: More devices are asked for than there are, or (several
+                processes) a replica's devices do not split evenly over the processes.
         """
         if self.is_single_device:
             return None
@@ -120,9 +124,26 @@ class ParallelConfig:
         shape = ({"expert": self.expert_parallel_size, "model": self.tensor_parallel_size}
                  if self.expert_parallel_size > 1 else {"model": self.tensor_parallel_size})
         per_replica = self.devices_per_replica
-        return [make_mesh(shape, devices=devices[index * per_replica:(index + 1) * per_replica])
+        by_process: dict[int, list[jax.Device]] = {}
+        for device in devices:
+            by_process.setdefault(device.process_index, []).append(device)
+        processes = len(by_process)
+        if per_replica % processes:
+            raise ParallelConfigError(
+                f"a replica of tensor_parallel_size x expert_parallel_size = {per_replica} "
+                f"devices cannot span the {processes} processes of this run evenly; use a "
+                f"multiple of {processes}")
+        share = per_replica // processes
+        if share * self.data_parallel_size > min(len(local) for local in by_process.values()):
+            raise ParallelConfigError(
+                f"{self.data_parallel_size} replicas x {share} devices per process exceed the "
+                f"{min(len(local) for local in by_process.values())} devices of a process")
+        groups = [sorted(local, key=lambda device: device.id)
+                  for _, local in sorted(by_process.items())]
+        return [make_mesh(shape, devices=[device for local in groups
+                                          for device in local[index * share:
+                                                              (index + 1) * share]])
                 for index in range(self.data_parallel_size)]
-
 
 def place_on_mesh(model: Transformer, mesh: Mesh, layout: str = "tensor_parallel"
                   ) -> Transformer:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.scheduler import ScheduledRequest
 from jaxinfer.engine.spec_decode import Verification, sampling_probabilities, verify
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
+from jaxinfer.multihost import StepChannel
 from jaxinfer.sharding import activate, active_axis
 
 
@@ -224,11 +225,17 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.pages, self.scales = self._allocate_pages()  # scales: None unless int8
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        # Multi-host: process 0's runner sends every step's inputs down this channel (tagged
+        # with the runner's replica index) so the followers run the same step on their
+        # shards; see `jaxinfer.engine.multihost_steps`.
+        self.channel: StepChannel | None = None
+        self.channel_tag = 0
         self._step = jax.jit(functools.partial(self._device_step, with_prompt_logprobs=False),
                              donate_argnums=(1, 2))
         self._prompt_step = jax.jit(
             functools.partial(self._device_step, with_prompt_logprobs=True),
             donate_argnums=(1, 2))
+        self._steps = {"step": self._step, "prompt_step": self._prompt_step}
         self.warm_up_seconds: float | None = None
 
     def _allocate_pages(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
@@ -437,8 +444,8 @@ class ModelRunner:
         if wants_prompt and not self.config.enable_prompt_logprobs:
             raise ValueError(f"requests {sorted(wants_prompt)} ask for prompt_logprobs, which "
                              "this runner was built without (enable_prompt_logprobs=False)")
-        step = self._prompt_step if wants_prompt else self._step
-        result = jax.device_get(self._run(step, self._pack(sequences, num_tokens, num_seqs)))
+        kind = "prompt_step" if wants_prompt else "step"
+        result = jax.device_get(self._run(kind, self._pack(sequences, num_tokens, num_seqs)))
         sampled, prompt, speculated = {}, {}, {}
         offset = 0
         for s, sequence in enumerate(sequences):
@@ -462,13 +469,31 @@ class ModelRunner:
             offset += len(sequence.token_ids)
         return RunnerOutput(sampled, prompt, speculated)
 
-    def _run(self, step: Callable[..., tuple], packed: tuple) -> dict[str, jax.Array]:
-        """Runs a jitted step on packed host inputs; updates the pool, returns the results.
+    def _run(self, kind: str, packed: tuple) -> dict[str, jax.Array]:
+        """Runs the jitted step `kind` ("step" or "prompt_step") on packed host inputs;
+        updates the pool and returns the (device) results.
 
         On a mesh the inputs become replicated global arrays (each process gives the whole
         value, as `make_array_from_process_local_data` expects of a replicated array), and the
         step runs under the mesh and layout, which are part of what it was compiled for.
+        With a channel (the leader of a multi-host run) the inputs first go to every other
+        process, which runs the same step through `run_packed`.
         """
+        if self.channel is not None:
+            self.channel.send(kind, (self.channel_tag, packed))
+        return self.run_packed(kind, packed)
+
+    def run_packed(self, kind: str, packed: tuple) -> dict[str, jax.Array]:
+        """Runs the jitted step `kind` on inputs packed by some process's `_pack`.
+
+        A follower of a multi-host run calls this with what the leader sent.
+
+        Raises:
+            ValueError: An unknown step kind.
+        """
+        if kind not in self._steps:
+            raise ValueError(f"unknown step kind {kind!r}; known: {sorted(self._steps)}")
+        step = self._steps[kind]
         if self._replicated is not None:
             packed = jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(self._replicated, x), packed)
@@ -483,15 +508,14 @@ class ModelRunner:
         Padding-only steps write nothing (every slot is -1) and read only the null page.
         """
         started = time.perf_counter()
-        steps = [self._step] + ([self._prompt_step] if self.config.enable_prompt_logprobs
-                                else [])
+        kinds = ["step"] + (["prompt_step"] if self.config.enable_prompt_logprobs else [])
         result = None
         for num_tokens in self.config.token_buckets:
             for num_seqs in self.config.sequence_buckets:
                 if num_seqs > num_tokens:
                     continue  # a step never has more sequences than tokens
-                for step in steps:
-                    result = self._run(step, self._pack([], num_tokens, num_seqs))
+                for kind in kinds:
+                    result = self._run(kind, self._pack([], num_tokens, num_seqs))
         jax.block_until_ready(result)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
