@@ -69,3 +69,18 @@ def test_two_processes_serve_like_one_and_a_lost_process_ends_the_server():
                                SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                               ignore_eos=True))
     assert served == [output.outputs[0].token_ids for output in expected]
+
+
+def test_serve_rejects_layouts_and_partial_multihost_settings_at_start(capsys):
+    from jaxinfer.cli import main as jaxinfer_main
+
+    ports = ["--grpc-port", "0", "--http-port", "0"]
+    assert jaxinfer_main(["serve", "--model", "random:tiny", "--tensor-parallel-size", "4",
+                          *ports]) == 2
+    assert "tensor_parallel_size = 4 does not divide" in capsys.readouterr().err
+    assert jaxinfer_main(["serve", "--model", "random:tiny", "--tensor-parallel-size", "2",
+                          "--data-parallel-size", "8", *ports]) == 2
+    assert "16 devices, but only 8" in capsys.readouterr().err
+    assert jaxinfer_main(["serve", "--model", "random:tiny", "--coordinator-address",
+                          "127.0.0.1:1234", *ports]) == 2
+    assert "all-or-nothing" in capsys.readouterr().err
