@@ -230,11 +230,17 @@ class ModelRunner:
         # shards; see `jaxinfer.engine.multihost_steps`.
         self.channel: StepChannel | None = None
         self.channel_tag = 0
+        # On a mesh the outputs' placement is pinned: the pool keeps its own sharding (so
+        # the donated buffers are reused and every call after the first sees the inputs the
+        # program was compiled for), and the results are replicated for every process.
+        out_shardings = None if mesh is None else (
+            jax.tree.map(lambda array: array.sharding, self.pages),
+            jax.tree.map(lambda array: array.sharding, self.scales), self._replicated)
         self._step = jax.jit(functools.partial(self._device_step, with_prompt_logprobs=False),
-                             donate_argnums=(1, 2))
+                             donate_argnums=(1, 2), out_shardings=out_shardings)
         self._prompt_step = jax.jit(
             functools.partial(self._device_step, with_prompt_logprobs=True),
-            donate_argnums=(1, 2))
+            donate_argnums=(1, 2), out_shardings=out_shardings)
         self._steps = {"step": self._step, "prompt_step": self._prompt_step}
         self.warm_up_seconds: float | None = None
 

@@ -152,7 +152,7 @@ def test_invalid_layouts_fail_at_start_with_a_message(wide_model):
     assert len(jax.devices()) == 8
 
 
-def test_llm_takes_vllm_parallel_keywords():
+def test_llm_takes_vllm_parallel_keywords_and_never_compiles_after_warm_up():
     from jaxinfer import LLM
 
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(3, 40))}]
@@ -160,7 +160,16 @@ def test_llm_takes_vllm_parallel_keywords():
     options = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
                    enable_prompt_logprobs=False, bucket_growth=4)
     single = LLM("random:tiny", **options).generate(prompts, params)
-    sharded = LLM("random:tiny", tensor_parallel_size=2, data_parallel_size=2, **options)
-    assert isinstance(sharded.engine, DataParallelEngine)
-    assert ([output.outputs[0].token_ids for output in sharded.generate(prompts, params)]
-            == [output.outputs[0].token_ids for output in single])
+    expected = [output.outputs[0].token_ids for output in single]
+    for parallel in (dict(tensor_parallel_size=2, data_parallel_size=2),
+                     dict(data_parallel_size=2)):  # one-device replicas
+        sharded = LLM("random:tiny", warm_up=True, **parallel, **options)
+        assert isinstance(sharded.engine, DataParallelEngine)
+        compiled = sharded.engine.compilations
+        outputs = sharded.generate(prompts * 3, params)  # both replicas get work
+        assert [output.outputs[0].token_ids for output in outputs] == expected * 3
+        # A lone short request runs in the smallest bucket, the one warm-up compiled first
+        # (against the freshly allocated pool rather than a step's output pool).
+        assert sharded.generate(prompts[0], params)[0].outputs[0].token_ids == expected[0]
+        assert sharded.engine.compilations == compiled
+        assert all(replica.num_steps for replica in sharded.engine.replicas)
