@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -141,6 +142,13 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
         if channel is not None and not channel.is_leader:
             import jax
 
+            # A supervisor stopping the slice signals every process; process 0 then drains
+            # its requests and closes the channel, which ends this one. Leaving now would cut
+            # the steps still in flight short.
+            for stop_signal in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(stop_signal, lambda number, frame: print(
+                    f"jaxinfer: process {jax.process_index()} got signal {number}; it stops "
+                    "when process 0 does", flush=True))
             print(f"jaxinfer: process {jax.process_index()} of {jax.process_count()} runs "
                   f"process 0's steps on its devices", flush=True)
             steps = follow(engine, channel)

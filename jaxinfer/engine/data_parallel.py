@@ -71,7 +71,8 @@ class DataParallelEngine:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         replica = min(self.replicas, key=lambda engine: (
-            len(engine._requests), engine.stats().num_waiting, self.replicas.index(engine)))
+            engine.num_unfinished_requests, engine.stats().num_waiting,
+            self.replicas.index(engine)))
         replica.add_request(request_id, prompt, sampling_params, **options)
         self._owner[request_id] = replica
 
@@ -82,6 +83,10 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         return any(replica.has_unfinished_requests() for replica in self.replicas)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return sum(replica.num_unfinished_requests for replica in self.replicas)
 
     def step(self) -> list[RequestOutput]:
         """Steps every replica with work, concurrently; returns all their outputs."""

@@ -503,6 +503,11 @@ class Engine:
         """Whether any request is waiting, running or has samples not yet admitted."""
         return bool(self._requests)
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests added and neither finished nor aborted."""
+        return len(self._requests)
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:

@@ -6,6 +6,7 @@ ends the server with a non-zero status within a bounded time."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -46,6 +47,13 @@ def test_two_processes_serve_like_one_and_a_lost_process_ends_the_server():
         client = InferenceClient(f"127.0.0.1:{leader.grpc_port}")
         served = [client.complete(prompt, max_tokens=MAX_TOKENS, temperature=0.0,
                                   ignore_eos=True).token_ids[0] for prompt in PROMPTS]
+        # A stop signal to a follower alone does not end it (process 0 decides when the
+        # slice stops), so the server keeps answering.
+        follower.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert follower.poll() is None
+        again = client.complete(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+                                ignore_eos=True).token_ids[0]
         client.close()
 
         follower.kill()
@@ -61,6 +69,7 @@ def test_two_processes_serve_like_one_and_a_lost_process_ends_the_server():
     assert waited < 60
     assert "process 1" in leader.output, leader.output  # the message names the lost process
     assert "runs process 0's steps" in follower_output, follower_output
+    assert "stops when process 0 does" in follower_output, follower_output
 
     # The same requests on one device, in this process.
     single = LLM("random:tiny", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
@@ -69,6 +78,7 @@ def test_two_processes_serve_like_one_and_a_lost_process_ends_the_server():
                                SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                               ignore_eos=True))
     assert served == [output.outputs[0].token_ids for output in expected]
+    assert again == served[0]
 
 
 def test_serve_rejects_layouts_and_partial_multihost_settings_at_start(capsys):
