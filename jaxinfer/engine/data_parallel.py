@@ -5,7 +5,9 @@ sub-mesh (`jaxinfer.engine.parallel` says why replicas rather than one sharded b
 request goes to the replica with the fewest unfinished requests (ties: fewest waiting, then
 the lowest index), and stays there: its pages live in that replica's pool. `step()` steps
 every replica that has work, each in its own thread, so their device steps overlap (JAX
-releases the GIL while a step runs), and returns all their outputs.
+releases the GIL while a step runs), and returns all their outputs; in a multi-process run
+the replicas step one after another instead, in the order process 0 sends their steps to
+the other processes.
 
 `load_engine` (from a model name) and `build_engine` (from a loaded model) are what `LLM`,
 `AsyncEngine`, `jaxinfer serve` and the benchmarks call: they return a plain `Engine` for one
@@ -43,10 +45,9 @@ class DataParallelEngine:
 
     Args:
         replicas: The replica engines (same model, same options, each on its own devices).
-        config: The options as given (with the data-parallel size).
     """
 
-    def __init__(self, replicas: list[Engine], config: EngineConfig) -> None:
+    def __init__(self, replicas: list[Engine]) -> None:
         if not replicas:
             raise ValueError("a DataParallelEngine needs at least one replica")
         self.replicas = replicas
@@ -214,4 +215,4 @@ def _replicated(config: EngineConfig, tokenizer: Tokenizer | None, models: list[
     replica_config = dataclasses.replace(config, data_parallel_size=1)
     engines = [Engine(network, replica_config, tokenizer, mesh=mesh)
                for network, mesh in zip(models, meshes, strict=True)]
-    return engines[0] if len(engines) == 1 else DataParallelEngine(engines, config)
+    return engines[0] if len(engines) == 1 else DataParallelEngine(engines)
