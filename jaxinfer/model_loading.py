@@ -53,9 +53,7 @@ def load_model_config(model: str | os.PathLike[str], **config_overrides: Any) ->
     path = resolve_model_path(name)
     if (path / CONFIG_FILE).exists():
         return read_hf_config(path, **config_overrides)
-    if is_quantized_checkpoint(path):
-        return restore_quantized_model(path).config
-    if (path / ORBAX_CONFIG_FILE).exists():
+    if (path / ORBAX_CONFIG_FILE).exists():  # jaxinfer checkpoints, quantized ones too
         return read_orbax_config(path)
     return load_model(model, **config_overrides).config  # raises the informative error
 

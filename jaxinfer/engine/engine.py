@@ -289,7 +289,6 @@ class Engine:
             raise ValueError(f"data_parallel_size = {config.data_parallel_size}: an Engine is "
                              "one replica; build replicas with "
                              "jaxinfer.engine.load_engine or DataParallelEngine")
-        self.mesh = mesh
         self.config = config
         self.model = model
         self.model_config = model.config

@@ -134,16 +134,18 @@ class ParallelConfig:
                 f"devices cannot span the {processes} processes of this run evenly; use a "
                 f"multiple of {processes}")
         share = per_replica // processes
-        if share * self.data_parallel_size > min(len(local) for local in by_process.values()):
+        fewest = min(len(local) for local in by_process.values())
+        if share * self.data_parallel_size > fewest:
             raise ParallelConfigError(
                 f"{self.data_parallel_size} replicas x {share} devices per process exceed the "
-                f"{min(len(local) for local in by_process.values())} devices of a process")
+                f"{fewest} devices of a process")
         groups = [sorted(local, key=lambda device: device.id)
                   for _, local in sorted(by_process.items())]
         return [make_mesh(shape, devices=[device for local in groups
                                           for device in local[index * share:
                                                               (index + 1) * share]])
                 for index in range(self.data_parallel_size)]
+
 
 def place_on_mesh(model: Transformer, mesh: Mesh, layout: str = "tensor_parallel"
                   ) -> Transformer:

@@ -319,9 +319,6 @@ class ModelRunner:
                                         draft_token_ids, num_draft_tokens, draft_probs)
             result.update(spec_tokens=verification.token_ids,
                           num_accepted=verification.num_accepted)
-        if self._replicated is not None:
-            # Every process reads the step's results (small: [S] tokens, [S, K] logprobs).
-            result = jax.lax.with_sharding_constraint(result, self._replicated)
         return cache.layers, cache.scales, result
 
     def _verify(self, model: Transformer, hidden: jax.Array, last_token_index: jax.Array,

@@ -126,12 +126,8 @@ def moe_ffn(
         return moe_dense(x, weights, experts, gate, up, down)  # [M, D]
     if implementation == "sorted":
         return moe_sorted(x, weights, experts, gate, up, down)  # [M, D]
-    choice = dispatch.resolve(implementation)
-    if choice in ("xla", "reference"):
-        return moe_sorted(x, weights, experts, gate, up, down)  # [M, D]
-    kernel_matmul = functools.partial(grouped_matmul, implementation=choice)
     return moe_sorted(x, weights, experts, gate, up, down,
-                      grouped_matmul=kernel_matmul)  # [M, D]
+                      **_sorted_matmul(implementation))  # [M, D]
 
 
 def moe_ffn_local_experts(
@@ -159,10 +155,14 @@ def moe_ffn_local_experts(
     Returns:
         `[M, D]` float32; the sum over all shards equals `moe_ffn` (before its final cast).
     """
+    return moe_sorted_partial(x, weights, experts, gate, up, down, first_expert=first_expert,
+                              **_sorted_matmul(implementation))  # [M, D]
+
+
+def _sorted_matmul(implementation: str) -> dict[str, functools.partial]:
+    """The `grouped_matmul` keyword of `moe_sorted(_partial)` for a dispatch name: none (the
+    `ragged_dot` default) on the XLA and reference paths, else the Pallas kernel."""
     choice = dispatch.resolve(implementation)
     if choice in ("xla", "reference"):
-        return moe_sorted_partial(x, weights, experts, gate, up, down,
-                                  first_expert=first_expert)  # [M, D]
-    kernel_matmul = functools.partial(grouped_matmul, implementation=choice)
-    return moe_sorted_partial(x, weights, experts, gate, up, down, grouped_matmul=kernel_matmul,
-                              first_expert=first_expert)  # [M, D]
+        return {}
+    return {"grouped_matmul": functools.partial(grouped_matmul, implementation=choice)}
