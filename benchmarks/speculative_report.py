@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.tokenizer import load_tokenizer

@@ -23,8 +23,8 @@ _LAZY = {
     "SamplingParams": "jaxinfer.engine.sampling_params",
     "RequestOutput": "jaxinfer.engine.outputs",
     "CompletionOutput": "jaxinfer.engine.outputs",
-    "Engine": "jaxinfer.engine.engine",
-    "EngineConfig": "jaxinfer.engine.engine",
+    "Engine": "jaxinfer.engine.core",
+    "EngineConfig": "jaxinfer.engine.core",
     "AsyncEngine": "jaxinfer.engine.async_engine",
 }
 

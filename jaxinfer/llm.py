@@ -23,8 +23,8 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from jaxinfer.engine.core import Prompt
 from jaxinfer.engine.data_parallel import load_engine
-from jaxinfer.engine.engine import Prompt
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer

@@ -24,7 +24,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from jaxinfer.engine.engine import EngineStats
+from jaxinfer.engine.core import EngineStats
 
 # Seconds; from a few milliseconds (a cached decode step) to minutes (a long CPU generation).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.engine.engine import Prompt
+from jaxinfer.engine.core import Prompt
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from serve.metrics import ServingMetrics

@@ -35,7 +35,7 @@ from jaxinfer.bench.workload import (
 )
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.engine import Engine
+    from jaxinfer.engine.core import Engine
     from jaxinfer.engine.outputs import RequestOutput
     from jaxinfer.models import Transformer
 
@@ -97,7 +97,7 @@ def build_engine(model: Transformer, settings: EngineSettings, max_model_len: in
     """An engine sized for the workload (prompt logprobs off: they double warm-up), on the
     devices its parallel sizes ask for (a `DataParallelEngine` for several replicas)."""
     from jaxinfer.engine import data_parallel
-    from jaxinfer.engine.engine import EngineConfig
+    from jaxinfer.engine.core import EngineConfig
 
     pages = -(-max_model_len // settings.page_size)
     return data_parallel.build_engine(model, EngineConfig(

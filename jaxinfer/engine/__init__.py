@@ -5,10 +5,10 @@ milliseconds; the device side (runner, sampling, engine loop) lives in its own m
 imported from them directly.
 """
 
-from jaxinfer.engine.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
-from jaxinfer.engine.kv_cache_manager import KVCacheManager, hash_block
-from jaxinfer.engine.request import Request, RequestStatus
-from jaxinfer.engine.scheduler import (
+from jaxinfer.engine.host.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
+from jaxinfer.engine.host.kv_cache_manager import KVCacheManager, hash_block
+from jaxinfer.engine.host.request import Request, RequestStatus
+from jaxinfer.engine.host.scheduler import (
     RequestOutput,
     ScheduledRequest,
     Scheduler,

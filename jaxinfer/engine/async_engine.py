@@ -24,7 +24,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from jaxinfer.engine.engine import Engine, EngineStats, Prompt
+from jaxinfer.engine.core import Engine, EngineStats, Prompt
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 

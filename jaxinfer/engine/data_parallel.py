@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxinfer.engine.engine import (
+from jaxinfer.engine.core import (
     Engine,
     EngineConfig,
     EngineStats,

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 
+from jaxinfer.engine.core import Engine
 from jaxinfer.engine.data_parallel import DataParallelEngine
-from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.device.runner import ModelRunner
 from jaxinfer.multihost import StepChannel
 
 logger = logging.getLogger(__name__)

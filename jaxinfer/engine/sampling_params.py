@@ -1,9 +1,9 @@
 """Per-request sampling parameters, host side: vLLM's `SamplingParams` names, defaults and checks.
 
 Pure Python (no jax), like the scheduler, so building and validating a request costs nothing on
-the device and the front ends can reject bad input before a request is queued. The device-side
-counterpart is `jaxinfer.engine.sampler.SamplingArrays`, which `build_sampling_arrays` fills from
-a batch of these.
+the device and the front ends can reject bad input before a request is queued. The
+device-side counterpart is `jaxinfer.engine.device.sampler.SamplingArrays`, which
+`build_sampling_arrays` fills from a batch of these.
 """
 
 from __future__ import annotations

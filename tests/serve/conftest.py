@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.core import Engine
 from serve.server import BackgroundServer
 from serve.service import InferenceService, ServiceConfig
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxinfer.engine.engine import EngineStats
+from jaxinfer.engine.core import EngineStats
 from serve.metrics import ServingMetrics
 
 

@@ -10,7 +10,7 @@ import urllib.request
 
 from jaxinfer.config import get_preset
 from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.core import Engine
 from jaxinfer.generate import generate
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.models import create_model

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import get_preset
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.models import create_model

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from jaxinfer.config import get_preset
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.speculative import SpeculativeConfig, propose_ngram
+from jaxinfer.engine.spec.ngram import SpeculativeConfig, propose_ngram
 from jaxinfer.generate import generate
 from jaxinfer.models import create_model
 

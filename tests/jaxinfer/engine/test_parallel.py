@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxinfer.config import get_preset
+from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.data_parallel import DataParallelEngine, build_engine, load_engine
-from jaxinfer.engine.engine import Engine, EngineConfig
 from jaxinfer.engine.parallel import ParallelConfig, ParallelConfigError
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.models import create_model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import get_preset
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.generate import generate
 from jaxinfer.models import PagedBatch, PagedKVCache, create_model

@@ -35,18 +35,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.engine.kv_cache_manager import KVCacheManager
-from jaxinfer.engine.request import Request
-from jaxinfer.engine.runner import ModelRunner, RunnerConfig, SampledToken, _bucket
-from jaxinfer.engine.sampler import (
+from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig, SampledToken, _bucket
+from jaxinfer.engine.device.sampler import (
     SamplingArrays,
     build_sampling_arrays,
     greedy_rows,
     sample_tokens,
 )
+from jaxinfer.engine.host.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.host.request import Request
+from jaxinfer.engine.host.scheduler import ScheduledRequest
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.scheduler import ScheduledRequest
-from jaxinfer.engine.spec_decode import sampling_probabilities
+from jaxinfer.engine.spec.verify import sampling_probabilities
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
 
 # Mixed into a request's seed so the drafter's stream differs from the verifier's.

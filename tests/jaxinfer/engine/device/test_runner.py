@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import get_preset
-from jaxinfer.engine.runner import ModelRunner, RunnerConfig, power_of_two_buckets
+from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig, power_of_two_buckets
+from jaxinfer.engine.host.scheduler import ScheduledRequest
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.scheduler import ScheduledRequest
 from jaxinfer.generate import generate
 from jaxinfer.models import create_model
 

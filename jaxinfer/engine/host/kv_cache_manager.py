@@ -31,8 +31,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from jaxinfer.engine.block_pool import BlockPool
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.host.block_pool import BlockPool
+from jaxinfer.engine.host.request import Request
 
 BlockHash = bytes
 

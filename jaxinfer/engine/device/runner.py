@@ -2,7 +2,7 @@
 
 Each step receives, from the scheduler, the new tokens of every scheduled request (a prefill
 chunk or one decode token), where they sit (start position, block table) and whether a token
-must be sampled after them (`jaxinfer.engine.scheduler.ScheduledRequest`). The runner packs
+must be sampled after them (`jaxinfer.engine.host.scheduler.ScheduledRequest`). The runner packs
 them into one `[1, T]` row (T rounded up to a token bucket, S requests rounded up to a
 sequence bucket, every block table padded to `pages_per_sequence` with the null page 0),
 runs the model over the paged cache (donated, so it is updated in place), and samples one
@@ -13,7 +13,7 @@ Speculative decoding (`num_speculative_tokens` = K > 0): a request's step may en
 draft tokens (`ScheduledRequest.spec_token_ids`). The step then also takes the logits at its
 last known token and at each draft (`[S, K + 1, V]`, one lm-head pass over S * (K + 1) gathered
 rows, skipped when no request has drafts) and verifies the drafts on device with exact
-speculative sampling (`jaxinfer.engine.spec_decode.verify`); drafts are `[S, K]` arrays with a
+speculative sampling (`jaxinfer.engine.spec.verify.verify`); drafts are `[S, K]` arrays with a
 per-row count, so the step's shapes, and its compiled programs, stay those of its buckets.
 
 Shapes depend only on the two bucket sizes, so `warm_up` compiles every (T, S) pair once and
@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer.engine.sampler import (
+from jaxinfer.engine.device.sampler import (
     SamplingArrays,
     build_sampling_arrays,
     greedy_rows,
@@ -41,9 +41,9 @@ from jaxinfer.engine.sampler import (
     prompt_top_logprobs,
     sample_tokens,
 )
+from jaxinfer.engine.host.scheduler import ScheduledRequest
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
-from jaxinfer.engine.scheduler import ScheduledRequest
-from jaxinfer.engine.spec_decode import Verification, sampling_probabilities, verify
+from jaxinfer.engine.spec.verify import Verification, sampling_probabilities, verify
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
 from jaxinfer.multihost import StepChannel
 from jaxinfer.sharding import activate, active_axis
@@ -139,7 +139,7 @@ class SampledToken:
     Attributes:
         token_id: The sampled token.
         logprob: Its log-probability (after bias, penalties and min_tokens; see
-            `jaxinfer.engine.sampler`).
+            `jaxinfer.engine.device.sampler`).
         top_token_ids: `[K]` the K most likely tokens, most likely first (K is the runner's
             `max_logprobs`; empty when no request of the step asked for logprobs).
         top_logprobs: `[K]` their log-probabilities.

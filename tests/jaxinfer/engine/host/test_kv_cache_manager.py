@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxinfer.engine.kv_cache_manager import KVCacheManager, hash_block
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.host.kv_cache_manager import KVCacheManager, hash_block
+from jaxinfer.engine.host.request import Request
 
 BLOCK_SIZE = 4
 

@@ -16,8 +16,8 @@ makes scheduling decisions.
 
 Speculative decoding (`speculative={"method": "ngram", "num_tokens": k, "max_ngram": n}` or
 `{"method": "draft_model", "model": ..., "num_tokens": k}`): before each step, every running
-request that speculates and is decoding gets up to k drafts (`jaxinfer.engine.speculative`,
-`jaxinfer.engine.draft_model`); the scheduler budgets them, the runner verifies them with
+request that speculates and is decoding gets up to k drafts (`jaxinfer.engine.spec.ngram`,
+`jaxinfer.engine.spec.draft_model`); the scheduler budgets them, the runner verifies them with
 exact speculative sampling in the same ragged step, and the scheduler keeps the accepted ones
 and rolls back the rest. A request speculates unless it opts out (`speculative=False`) or asks
 for something that changes per position or needs per-token results: logprobs, prompt
@@ -43,15 +43,15 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxinfer.engine.draft_model import DraftModelProposer
+from jaxinfer.engine.device.runner import ModelRunner, PromptLogprobs, RunnerConfig, SampledToken
+from jaxinfer.engine.host.request import Request
+from jaxinfer.engine.host.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.engine.output_processor import SampleState
 from jaxinfer.engine.outputs import RequestOutput, SpeculativeStats
 from jaxinfer.engine.parallel import ParallelConfig
-from jaxinfer.engine.request import Request
-from jaxinfer.engine.runner import ModelRunner, PromptLogprobs, RunnerConfig, SampledToken
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
-from jaxinfer.engine.speculative import SpeculativeConfig, propose_ngram
+from jaxinfer.engine.spec.draft_model import DraftModelProposer
+from jaxinfer.engine.spec.ngram import SpeculativeConfig, propose_ngram
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.models import Transformer
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer

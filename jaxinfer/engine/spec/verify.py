@@ -8,13 +8,13 @@ k are accepted one bonus token is drawn from `p_{k+1}`. The emitted tokens are t
 exactly as if each had been sampled from the target, one step at a time.
 
 Both p and q are taken after the same transform the engine's sampler applies
-(`jaxinfer.engine.sampler`: bias, penalties and min_tokens, then temperature, min_p, top-k and
-top-p), so a speculating request draws from exactly the distribution it would draw from without
-speculation. Greedy rows (temperature ~0 or top_k == 1) are the special case "accept while
-`x_i == argmax p_i`, then emit `argmax p_{first mismatch}`", which is the token a greedy request
-would emit at each step. Prompt-lookup (n-gram) drafts have no distribution: they are a
-point-mass drafter, `q_i = one_hot(x_i)`, for which the rule becomes "accept with probability
-`p_i(x_i)`, on rejection draw from p_i with x_i removed".
+(`jaxinfer.engine.device.sampler`: bias, penalties and min_tokens, then temperature, min_p,
+top-k and top-p), so a speculating request draws from exactly the distribution it would draw
+from without speculation. Greedy rows (temperature ~0 or top_k == 1) are the special case
+"accept while `x_i == argmax p_i`, then emit `argmax p_{first mismatch}`", which is the token a
+greedy request would emit at each step. Prompt-lookup (n-gram) drafts have no distribution:
+they are a point-mass drafter, `q_i = one_hot(x_i)`, for which the rule becomes "accept with
+probability `p_i(x_i)`, on rejection draw from p_i with x_i removed".
 
 Every row has its own number of drafts (0 to K; rows with 0 just sample from `p_1`), its own
 sampling parameters and its own key, so one compiled program serves any mix of requests.
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.sampler import (
+from jaxinfer.engine.device.sampler import (
     SamplingArrays,
     filter_for_sampling,
     greedy_rows,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.sampler import (
+from jaxinfer.engine.device.sampler import (
     SamplingArrays,
     apply_logit_bias,
     apply_min_p,

@@ -37,8 +37,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxinfer.engine.kv_cache_manager import KVCacheManager
-from jaxinfer.engine.request import Request, RequestStatus
+from jaxinfer.engine.host.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.host.request import Request, RequestStatus
 
 
 class SchedulerConfigError(ValueError):

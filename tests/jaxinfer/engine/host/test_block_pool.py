@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxinfer.engine.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
+from jaxinfer.engine.host.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
 
 
 def test_null_block_is_reserved_and_never_allocated():

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxinfer.engine.sampler import SamplingArrays
-from jaxinfer.engine.spec_decode import (
+from jaxinfer.engine.device.sampler import SamplingArrays
+from jaxinfer.engine.spec.verify import (
     Verification,
     acceptance_mask,
     first_rejection,

@@ -15,10 +15,10 @@ from flax import nnx
 from scipy import stats
 
 from jaxinfer.config import get_preset
-from jaxinfer.engine.draft_model import DraftSequence
-from jaxinfer.engine.engine import Engine, EngineConfig
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.engine.host.request import Request
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.spec.draft_model import DraftSequence
 from jaxinfer.generate import generate
 from jaxinfer.model_loading import load_model
 from jaxinfer.models import create_model
@@ -110,8 +110,8 @@ def test_draft_model_compiles_nothing_after_warm_up(model, drafter):
 def test_greedy_drafts_are_the_drafters_own_greedy_continuation(drafter):
     """The proposer (catch-up step, then the on-device decode loop) against reference
     generation with the drafter, across a rollback: an accepted draft, then a correction."""
-    from jaxinfer.engine.draft_model import DraftModelProposer
-    from jaxinfer.engine.runner import RunnerConfig
+    from jaxinfer.engine.device.runner import RunnerConfig
+    from jaxinfer.engine.spec.draft_model import DraftModelProposer
 
     proposer = DraftModelProposer(drafter, RunnerConfig(
         num_pages=40, page_size=4, max_num_batched_tokens=16, max_num_seqs=4,

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (prompt lookup, a draft model) and exact verification."""
