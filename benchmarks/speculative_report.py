@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                    enable_prefix_caching=False)
     engines = {}
     for name, speculative in METHODS.items():
-        engines[name] = Engine(teacher, EngineConfig(**options, speculative=speculative))
+        engines[name] = Engine(teacher, EngineConfig.from_options(
+                **options, speculative=speculative))
         print(f"{name}: warm-up {engines[name].warm_up():.1f} s", flush=True)
     warmed = {name: engine.compilations for name, engine in engines.items()}
     workloads = {"copy-heavy": copy_prompts(tokenizer), "open-ended": open_prompts(tokenizer)}

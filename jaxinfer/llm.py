@@ -18,15 +18,16 @@ thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from jaxinfer.engine.core import Prompt
-from jaxinfer.engine.data_parallel import load_engine
+from jaxinfer.engine.factory import load_engine
 from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -109,8 +110,8 @@ class LLM:
         Raises:
             ValueError: A bad prompt or parameter; no prompt of the call is left running.
         """
-        final = {}
         order = self._submit(prompts, sampling_params)
+        final = {}
         for output in self._drain(order):
             final[output.request_id] = output
         return [final[request_id] for request_id in order]
@@ -125,7 +126,8 @@ class LLM:
         Yields:
             RequestOutputs; the last one of each request has `finished` set.
         """
-        return self._drain(self._submit(prompts, sampling_params))
+        return (output.snapshot()
+                for output in self._drain(self._submit(prompts, sampling_params)))
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -189,6 +191,9 @@ class LLM:
                     raise ValueError(f"prompt {prompt!r:.60}: give a string or a "
                                      "{'prompt_token_ids': [...]} dict")
                 request_id = str(next(self._request_counter))
+                # The engine reports deltas; _drain keeps each request's cumulative output.
+                params = dataclasses.replace(params or SamplingParams(),
+                                             output_kind=RequestOutputKind.DELTA)
                 self.engine.add_request(request_id, prompt, params)
                 request_ids.append(request_id)
         except ValueError:
@@ -198,10 +203,18 @@ class LLM:
         return request_ids
 
     def _drain(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        """Steps the engine until the requests finish; yields each request's cumulative
+        output (one live object per request, grown from the engine's deltas) as it changes."""
         pending = set(request_ids)
+        outputs: dict[str, RequestOutput] = {}
         try:
             while pending:
-                for output in self.engine.step():
+                for delta in self.engine.step():
+                    output = outputs.get(delta.request_id)
+                    if output is None:
+                        output = outputs[delta.request_id] = dataclasses.replace(
+                            delta, outputs=[])
+                    output.add(delta)
                     yield output
                     if output.finished:
                         pending.discard(output.request_id)

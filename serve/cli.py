@@ -26,41 +26,13 @@ if TYPE_CHECKING:
     from jaxinfer.multihost import StepChannel
 
 
-def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """--tensor-parallel-size, --data-parallel-size, --expert-parallel-size (vLLM's names)."""
-    group = parser.add_argument_group("parallelism (see jaxinfer.engine.parallel)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="devices one model is split over (heads, MLP, vocabulary)")
-    group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                       help="independent engine replicas, each on its own devices")
-    group.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
-                       help="devices a MoE model's experts are split over")
-
-
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """The EngineConfig fields a server takes (vLLM's flag names)."""
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=int, default=32,
-                        help="most requests running at once")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="token budget of one step")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output (default: the model's)")
-    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    engine.add_argument("--num-pages", type=int, default=None,
-                        help="KV pages (default: max-num-seqs full-length sequences)")
-    engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false", help="turn automatic prefix caching off")
-    engine.add_argument("--no-prompt-logprobs", dest="enable_prompt_logprobs",
-                        action="store_false",
-                        help="do not compile the prompt-logprobs step (halves warm-up)")
-    engine.add_argument("--min-token-bucket", type=int, default=16,
-                        help="smallest token bucket")
-    engine.add_argument("--bucket-growth", type=int, default=4,
-                        help="ratio of consecutive buckets (fewer programs to compile)")
-    engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+    """Every EngineConfig option (vLLM's flag names) with the serving defaults, and --dtype."""
+    from jaxinfer.engine.config import SERVING_DEFAULTS, add_engine_arguments
+
+    add_engine_arguments(parser, SERVING_DEFAULTS)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter and compute dtype (default: the checkpoint's)")
-    add_parallel_arguments(parser)
 
 
 def register(subparsers: argparse._SubParsersAction,
@@ -127,15 +99,13 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
     """Loads the engine; process 0 serves it, other processes follow its steps."""
     from jaxinfer.cli import CommandError
     from jaxinfer.engine.async_engine import AsyncEngine
-    from jaxinfer.engine.data_parallel import load_engine
+    from jaxinfer.engine.config import engine_options_from_args
+    from jaxinfer.engine.factory import load_engine
     from jaxinfer.engine.multihost_steps import follow, lead
     from serve.server import Server, ServerAddress
     from serve.service import InferenceService, ServiceConfig
 
-    options = {name: getattr(args, name) for name in (
-        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages",
-        "enable_prefix_caching", "enable_prompt_logprobs", "min_token_bucket", "bucket_growth",
-        "tensor_parallel_size", "data_parallel_size", "expert_parallel_size")}
+    options = engine_options_from_args(args)
     try:
         engine = load_engine(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                              **options)

@@ -301,7 +301,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 name=self._service.model_name, max_model_len=self._service.max_model_len,
                 vocab_size=self._service.vocab_size,
                 eos_token_ids=list(engine.model_config.eos_token_ids),
-                has_tokenizer=tokenizer is not None, max_num_seqs=engine.config.max_num_seqs)
+                has_tokenizer=tokenizer is not None,
+                max_num_seqs=engine.config.scheduler.max_num_seqs)
             if tokenizer is not None and tokenizer.bos_token_id is not None:
                 response.bos_token_id = tokenizer.bos_token_id
             return response

@@ -96,11 +96,11 @@ def load_bench_model(model: str, **config_overrides: Any) -> Transformer:
 def build_engine(model: Transformer, settings: EngineSettings, max_model_len: int) -> Engine:
     """An engine sized for the workload (prompt logprobs off: they double warm-up), on the
     devices its parallel sizes ask for (a `DataParallelEngine` for several replicas)."""
-    from jaxinfer.engine import data_parallel
-    from jaxinfer.engine.core import EngineConfig
+    from jaxinfer.engine import factory
+    from jaxinfer.engine.config import EngineConfig
 
     pages = -(-max_model_len // settings.page_size)
-    return data_parallel.build_engine(model, EngineConfig(
+    return factory.build_engine(model, EngineConfig.from_options(
         page_size=settings.page_size, max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs, max_model_len=pages * settings.page_size,
         enable_prefix_caching=settings.enable_prefix_caching, enable_prompt_logprobs=False,

@@ -1,6 +1,6 @@
 """The engine for servers: its loop runs in one background thread; asyncio code talks to it.
 
-    engine = AsyncEngine(Engine.from_pretrained("builtin:demo", max_num_seqs=32))
+    engine = AsyncEngine(load_engine("builtin:demo", max_num_seqs=32))
     engine.start()                     # compiles (warm-up), then serves
     async for output in engine.generate("The list type", SamplingParams(max_tokens=64)):
         print(output.outputs[0].text)  # cumulative; the last one has `finished`
@@ -76,7 +76,7 @@ class AsyncEngine:
     def from_pretrained(cls, model: str, *, warm_up: bool = True, **options: Any
                         ) -> AsyncEngine:
         """`AsyncEngine(load_engine(model, **options))`, not yet started."""
-        from jaxinfer.engine.data_parallel import load_engine
+        from jaxinfer.engine.factory import load_engine
 
         return cls(load_engine(model, **options), warm_up=warm_up)
 

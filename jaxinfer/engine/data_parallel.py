@@ -9,35 +9,24 @@ releases the GIL while a step runs), and returns all their outputs; in a multi-p
 the replicas step one after another instead, in the order process 0 sends their steps to
 the other processes.
 
-`load_engine` (from a model name) and `build_engine` (from a loaded model) are what `LLM`,
-`AsyncEngine`, `jaxinfer serve` and the benchmarks call: they return a plain `Engine` for one
-replica and a `DataParallelEngine` for several.
+`jaxinfer.engine.factory` builds it (`load_engine`, `build_engine`) when `data_parallel_size`
+is above 1.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
-from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
-from jaxinfer.engine.core import (
-    Engine,
-    EngineConfig,
-    EngineStats,
-    Prompt,
-    engine_config,
-    load_tokenizer_of,
-)
+from jaxinfer.engine.client import EngineStats
+from jaxinfer.engine.core import Engine
+from jaxinfer.engine.device.runner import ModelRunner
+from jaxinfer.engine.errors import RequestError
+from jaxinfer.engine.input_processor import ProcessedRequest, Prompt
 from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.parallel import place_on_mesh
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.model_loading import load_model, load_model_config
-from jaxinfer.models import Transformer
-from jaxinfer.tokenizer import Tokenizer
 
 
 class DataParallelEngine:
@@ -51,8 +40,9 @@ class DataParallelEngine:
         if not replicas:
             raise ValueError("a DataParallelEngine needs at least one replica")
         self.replicas = replicas
-        self.config = dataclasses.replace(replicas[0].config,
-                                          data_parallel_size=len(replicas))
+        first = replicas[0].config
+        self.config = dataclasses.replace(first, parallel=dataclasses.replace(
+            first.parallel, data_parallel_size=len(replicas)))
         self.model_config = replicas[0].model_config
         self.tokenizer = replicas[0].tokenizer
         self.speculative = replicas[0].speculative
@@ -62,20 +52,45 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------------ Engine's interface
 
-    def add_request(self, request_id: str, prompt: Prompt,
-                    sampling_params: SamplingParams | None = None, **options: Any) -> None:
-        """Queues a request on the least-loaded replica (see `Engine.add_request`).
+    def process_request(self, request_id: str, prompt: Prompt,
+                        sampling_params: SamplingParams | None = None, *,
+                        cache_salt: str | None = None,
+                        speculative: bool = True) -> ProcessedRequest:
+        """Checks a request (every replica checks alike; see `Engine.process_request`)."""
+        return self.replicas[0].process_request(request_id, prompt, sampling_params,
+                                                cache_salt=cache_salt, speculative=speculative)
+
+    def add_processed_request(self, processed: ProcessedRequest) -> None:
+        """Queues a checked request on the least-loaded replica.
 
         Raises:
-            ValueError: As `Engine.add_request`, including an id in use on any replica.
+            RequestError: The id is in use on any replica.
         """
+        request_id = processed.request_id
         if request_id in self._owner:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError("request_id", f"request id {request_id!r} is already in use")
         replica = min(self.replicas, key=lambda engine: (
-            engine.num_unfinished_requests, engine.stats().num_waiting,
+            engine.num_unfinished_requests, len(engine.scheduler.waiting),
             self.replicas.index(engine)))
-        replica.add_request(request_id, prompt, sampling_params, **options)
+        replica.add_processed_request(processed)
         self._owner[request_id] = replica
+
+    def add_request(self, request_id: str, prompt: Prompt,
+                    sampling_params: SamplingParams | None = None, *,
+                    cache_salt: str | None = None, speculative: bool = True) -> None:
+        """Checks and queues a request on the least-loaded replica (see `Engine.add_request`).
+
+        Raises:
+            RequestError: As `Engine.add_request`, including an id in use on any replica.
+        """
+        self.add_processed_request(self.process_request(
+            request_id, prompt, sampling_params, cache_salt=cache_salt,
+            speculative=speculative))
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """The replicas' device runners, in replica order."""
+        return [replica.runner for replica in self.replicas]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts a request on its replica (see `Engine.abort_request`)."""
@@ -125,20 +140,22 @@ class DataParallelEngine:
         weighted by pool size and admitted prompt tokens."""
         parts = [replica.stats() for replica in self.replicas]
         pages = [replica.config.num_pages - 1 for replica in self.replicas]
-        managers = [replica.scheduler.kv_cache_manager for replica in self.replicas]
-        queried = sum(manager.prefix_cache_queries for manager in managers)
+        queried = sum(part.prefix_cache_queries for part in parts)
+        hits = sum(part.prefix_cache_hits for part in parts)
         return EngineStats(
             num_running=sum(part.num_running for part in parts),
             num_waiting=sum(part.num_waiting for part in parts),
             kv_cache_usage=sum(part.kv_cache_usage * size
                                for part, size in zip(parts, pages)) / sum(pages),
-            prefix_cache_hit_rate=(sum(manager.prefix_cache_hits for manager in managers)
-                                   / queried if queried else 0.0),
+            prefix_cache_hit_rate=hits / queried if queried else 0.0,
             num_preemptions=sum(part.num_preemptions for part in parts),
             num_steps=sum(part.num_steps for part in parts),
             num_spec_steps=sum(part.num_spec_steps for part in parts),
             num_draft_tokens=sum(part.num_draft_tokens for part in parts),
-            num_accepted_tokens=sum(part.num_accepted_tokens for part in parts))
+            num_accepted_tokens=sum(part.num_accepted_tokens for part in parts),
+            num_free_pages=sum(part.num_free_pages for part in parts),
+            prefix_cache_queries=queried, prefix_cache_hits=hits,
+            num_unfinished_requests=sum(part.num_unfinished_requests for part in parts))
 
     @property
     def num_free_pages(self) -> int:
@@ -151,68 +168,3 @@ class DataParallelEngine:
     def shutdown(self) -> None:
         """Stops the replica threads (the replicas themselves need no stopping)."""
         self._pool.shutdown(wait=True)
-
-
-def build_engine(model: Transformer, config: EngineConfig,
-                 tokenizer: Tokenizer | None = None) -> Engine | DataParallelEngine:
-    """The engine `config`'s parallel sizes ask for, over an already loaded model.
-
-    The model is placed on each replica's mesh (a copy per replica; no copy when it already
-    sits on the first replica's mesh as that mesh's layout wants).
-
-    Raises:
-        ValueError: The model cannot be split as asked, or there are too few devices
-            (`jaxinfer.engine.parallel.ParallelConfigError`); any invalid engine option.
-    """
-    parallel = config.parallel
-    parallel.check_model(model.config)
-    meshes = parallel.replica_meshes()
-    if meshes is None:
-        return Engine(model, config, tokenizer)
-    return _replicated(config, tokenizer, [place_on_mesh(model, mesh) for mesh in meshes],
-                       meshes)
-
-
-def load_engine(model: str | os.PathLike[str], *,
-                tokenizer: str | os.PathLike[str] | None = None, dtype: str | None = None,
-                **engine_options: Any) -> Engine | DataParallelEngine:
-    """Loads a model and builds the engine its options ask for.
-
-    The parallel layout is checked against the model's config before any weight is read,
-    and the weights are read straight onto the replicas' devices: once, then copied to
-    the other replicas in one process; once per replica in a multi-process run, where one
-    program cannot copy between device sets that span several hosts.
-
-    Args:
-        model: As `Engine.from_pretrained`.
-        tokenizer: As `Engine.from_pretrained`.
-        dtype: As `Engine.from_pretrained`.
-        **engine_options: `EngineConfig` fields, including `tensor_parallel_size`,
-            `data_parallel_size` and `expert_parallel_size`.
-
-    Returns:
-        An `Engine` when `data_parallel_size` is 1, else a `DataParallelEngine`.
-
-    Raises:
-        ValueError: As `build_engine`; an unknown option (the valid ones are listed).
-        FileNotFoundError: The model or a given tokenizer does not exist.
-    """
-    config = engine_config(engine_options)
-    overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
-    config.parallel.check_model(load_model_config(model, **overrides))
-    meshes = config.parallel.replica_meshes()
-    loaded_tokenizer = load_tokenizer_of(model, tokenizer)
-    if meshes is None or jax.process_count() == 1:
-        network = load_model(model, mesh=None if meshes is None else meshes[0], **overrides)
-        return build_engine(network, config, loaded_tokenizer)
-    models = [load_model(model, mesh=mesh, **overrides) for mesh in meshes]
-    return _replicated(config, loaded_tokenizer, models, meshes)
-
-
-def _replicated(config: EngineConfig, tokenizer: Tokenizer | None, models: list[Transformer],
-                meshes: list[Mesh]) -> Engine | DataParallelEngine:
-    """One engine per (model, mesh); a DataParallelEngine over them if more than one."""
-    replica_config = dataclasses.replace(config, data_parallel_size=1)
-    engines = [Engine(network, replica_config, tokenizer, mesh=mesh)
-               for network, mesh in zip(models, meshes, strict=True)]
-    return engines[0] if len(engines) == 1 else DataParallelEngine(engines)

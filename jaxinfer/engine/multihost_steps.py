@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import logging
 
-from jaxinfer.engine.core import Engine
-from jaxinfer.engine.data_parallel import DataParallelEngine
+from jaxinfer.engine.client import EngineClient
 from jaxinfer.engine.device.runner import ModelRunner
 from jaxinfer.multihost import StepChannel
 
 logger = logging.getLogger(__name__)
 
 
-def runners_of(engine: Engine | DataParallelEngine) -> list[ModelRunner]:
+def runners_of(engine: EngineClient) -> list[ModelRunner]:
     """The engine's runners, one per data-parallel replica, in replica order."""
-    if isinstance(engine, DataParallelEngine):
-        return [replica.runner for replica in engine.replicas]
-    return [engine.runner]
+    return engine.runners
 
 
-def lead(engine: Engine | DataParallelEngine, channel: StepChannel) -> None:
+def lead(engine: EngineClient, channel: StepChannel) -> None:
     """Makes the leader's runners send each step to the followers before running it.
 
     Raises:
@@ -41,15 +38,15 @@ def lead(engine: Engine | DataParallelEngine, channel: StepChannel) -> None:
     """
     if not channel.is_leader:
         raise ValueError("lead() takes the leader's end of the step channel (process 0)")
-    replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
-    if any(replica.drafter is not None for replica in replicas):
+    speculative = engine.config.speculative
+    if speculative is not None and speculative.method == "draft_model":
         raise ValueError("speculative decoding with a draft model is not supported across "
                          "several processes yet; use the ngram method")
     for index, runner in enumerate(runners_of(engine)):
         runner.channel, runner.channel_tag = channel, index
 
 
-def follow(engine: Engine | DataParallelEngine, channel: StepChannel) -> int:
+def follow(engine: EngineClient, channel: StepChannel) -> int:
     """Runs the leader's steps on this process until the leader closes the channel.
 
     Returns:

@@ -1,21 +1,48 @@
-"""Host-side output processing: detokenization, stop strings, finish reasons, per sample.
+"""Host-side output processing: samples, parent requests, logprobs, stop strings, deltas.
 
-The engine stops requests on stop token ids and lengths itself; stop *strings* live here,
-because they are text: a stop string may span several tokens and several streamed chunks,
-so each new piece of text is searched together with the tail of the text before it. When a
-stop string is found the sample ends there (the caller aborts its engine request), its text
-is cut before the stop string (or after it, with `include_stop_str_in_output`), and
-`stop_reason` names it. While stop strings are pending, streamed text holds back the last
-`len(longest stop) - 1` characters, so text once shown is never taken back.
+The scheduler reports new token ids per scheduler request ("ID", or "ID#i" for sample i of a
+request with n > 1); the runner reports logprobs. `OutputProcessor` turns them into what users
+get (`jaxinfer.engine.outputs.RequestOutput`), one per user request that changed, shaped by the
+request's `output_kind`:
+
+- CUMULATIVE: the whole text, tokens and logprobs so far (a snapshot);
+- DELTA: only what is new since the request's previous output: new text, new token ids, new
+  logprobs, the finish reason once. Nothing grows per step, so a server streaming deltas does
+  O(new tokens) work per step; concatenating a request's deltas gives its cumulative output;
+- FINAL_ONLY: one cumulative output when the request finishes.
+
+Stop *strings* live here, because they are text: a stop string may span several tokens and
+several streamed chunks, so each new piece of text is searched together with the tail of the
+text before it. When one is found the sample ends there (the engine aborts its scheduler
+request), its text is cut before the stop string (or after it, with
+`include_stop_str_in_output`), and `stop_reason` names it. While stop strings are pending,
+streamed text holds back the last `len(longest stop) - 1` characters, so text once shown is
+never taken back, which is what makes deltas well defined.
+
+No jax here: runner results are read through their attributes only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
 
 from jaxinfer.detokenizer import IncrementalDetokenizer
-from jaxinfer.engine.outputs import CompletionOutput
+from jaxinfer.engine.input_processor import ProcessedRequest, child_request_id
+from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, SpeculativeStats
+from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import Tokenizer
+
+
+def logprob_dict(token_id: int, logprob: float, top_ids: np.ndarray,
+                 top_values: np.ndarray) -> dict[int, float]:
+    """{chosen token: logprob, then the top alternatives}, as vLLM reports one position."""
+    entry = {int(token_id): logprob}
+    for top_id, value in zip(top_ids.tolist(), top_values.tolist(), strict=True):
+        entry.setdefault(int(top_id), float(value))
+    return entry
 
 
 class SampleState:
@@ -45,6 +72,10 @@ class SampleState:
         self._hold_back = max((len(stop) for stop in self._stop_strings), default=1) - 1
         self._text = ""
         self._searched = 0  # characters already searched for stop strings
+        # What the previous delta reported: text characters, tokens, and the finish.
+        self._sent_text = 0
+        self._sent_tokens = 0
+        self._sent_finish = False
 
     @property
     def finished(self) -> bool:
@@ -73,7 +104,9 @@ class SampleState:
             return False
         self.token_ids.extend(int(token) for token in new_token_ids)
         if logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(logprobs)
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
         if self._detokenizer is not None:
             self._detokenizer.add_tokens(new_token_ids)
             if finish_reason is not None:
@@ -107,3 +140,188 @@ class SampleState:
         return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason,
                                 self.stop_reason,
                                 None if self.logprobs is None else list(self.logprobs))
+
+    def delta(self) -> CompletionOutput | None:
+        """What is new since the previous delta (None when nothing is)."""
+        text = self.text
+        new_text = text[self._sent_text:]
+        start = self._sent_tokens
+        finishing = self.finished and not self._sent_finish
+        if not (new_text or len(self.token_ids) > start or finishing):
+            return None
+        self._sent_text, self._sent_tokens = len(text), len(self.token_ids)
+        self._sent_finish = self.finished
+        return CompletionOutput(self.index, new_text, self.token_ids[start:], self.finish_reason,
+                                self.stop_reason,
+                                None if self.logprobs is None else self.logprobs[start:])
+
+
+class RequestState:
+    """One user request: its prompt, parameters, samples, prompt logprobs and counters."""
+
+    def __init__(self, processed: ProcessedRequest, tokenizer: Tokenizer | None) -> None:
+        params = processed.params
+        self.request_id = processed.request_id
+        self.prompt = processed.prompt
+        self.prompt_token_ids = processed.prompt_token_ids
+        self.params: SamplingParams = params
+        self.kind = params.output_kind
+        self.samples = [SampleState(index, self.prompt_token_ids, tokenizer, params.stop_strings,
+                                    params.include_stop_str_in_output,
+                                    params.skip_special_tokens) for index in range(params.n)]
+        # vLLM's format: None for the first prompt token, then a dict per prompt token.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            None if params.prompt_logprobs is None else [None])
+        self._prompt_logprobs_sent = False
+        self.speculative: SpeculativeStats | None = (
+            SpeculativeStats() if processed.speculate else None)
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.finished for sample in self.samples)
+
+    def sample_ids(self) -> list[str]:
+        """The scheduler ids of the request's samples, in order."""
+        return [child_request_id(self.request_id, index, self.params.n)
+                for index in range(self.params.n)]
+
+    def add_prompt_logprobs(self, chunk: Any) -> None:
+        """Records a chunk's prompt logprobs (`jaxinfer.engine.device.runner.PromptLogprobs`);
+        positions already known, e.g. recomputed after a preemption, are skipped."""
+        known = len(self.prompt_logprobs)
+        top = self.params.prompt_logprobs
+        for row in range(len(chunk.logprobs)):
+            position = chunk.first_position + row
+            if position < known:
+                continue
+            token = self.prompt_token_ids[position]
+            self.prompt_logprobs.append(logprob_dict(
+                token, float(chunk.logprobs[row]), chunk.top_token_ids[row][:top],
+                chunk.top_logprobs[row][:top]))
+
+    def _complete_prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(
+                self.prompt_token_ids):
+            return list(self.prompt_logprobs)
+        return None
+
+    def output(self, final: bool = False) -> RequestOutput | None:
+        """The request's output after a change, shaped by its `output_kind`; None when the
+        kind has nothing to say now (FINAL_ONLY before the end, a DELTA with nothing new).
+
+        Args:
+            final: The request ended now (finished or aborted): always report it.
+        """
+        finished = final or self.finished
+        if self.kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        speculative = None if self.speculative is None else SpeculativeStats(
+            **vars(self.speculative))
+        if self.kind is not RequestOutputKind.DELTA:
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                 [sample.output() for sample in self.samples], finished,
+                                 prompt_logprobs=self._complete_prompt_logprobs(),
+                                 speculative=speculative)
+        samples = [delta for delta in (sample.delta() for sample in self.samples)
+                   if delta is not None]
+        prompt_logprobs = None
+        if not self._prompt_logprobs_sent:
+            prompt_logprobs = self._complete_prompt_logprobs()
+            self._prompt_logprobs_sent = prompt_logprobs is not None
+        if not (samples or finished or prompt_logprobs is not None):
+            return None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, samples,
+                             finished, prompt_logprobs=prompt_logprobs,
+                             speculative=speculative)
+
+
+class OutputProcessor:
+    """Every unfinished user request's state, keyed by user id and by sample id."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, RequestState] = {}
+        self._samples: dict[str, tuple[RequestState, int]] = {}  # scheduler id -> sample
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add_request(self, processed: ProcessedRequest) -> RequestState:
+        """Starts tracking a checked request."""
+        state = RequestState(processed, self.tokenizer)
+        self._requests[processed.request_id] = state
+        for index, sample_id in enumerate(state.sample_ids()):
+            self._samples[sample_id] = (state, index)
+        return state
+
+    def sample(self, sample_id: str) -> tuple[RequestState, int]:
+        """The user request and sample index of a scheduler request."""
+        return self._samples[sample_id]
+
+    def process(self, updates: Iterable[Any], sampled: dict[str, Any],
+                prompt_logprobs: dict[str, Any]
+                ) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Applies one step's results.
+
+        Args:
+            updates: The scheduler's per-request updates
+                (`jaxinfer.engine.host.scheduler.RequestOutput`: new token ids, finish reason,
+                draft counts).
+            sampled: The runner's sampled tokens by scheduler id (logprobs read from them).
+            prompt_logprobs: The runner's prompt-logprob chunks by scheduler id.
+
+        Returns:
+            (the outputs to hand out, one per changed user request; scheduler ids whose
+            sample a stop string ended, which the scheduler must abort; scheduler ids that
+            finished in this step, stop strings included).
+        """
+        for sample_id, chunk in prompt_logprobs.items():
+            self._samples[sample_id][0].add_prompt_logprobs(chunk)
+        touched: dict[str, RequestState] = {}
+        stopped, finished = [], []
+        for update in updates:
+            state, index = self._samples[update.request_id]
+            if state.speculative is not None:
+                state.speculative.add(update.num_draft_tokens, update.num_accepted_tokens)
+            logprobs = None
+            if state.params.logprobs is not None and update.new_token_ids:
+                token = sampled[update.request_id]
+                top = state.params.logprobs
+                logprobs = [logprob_dict(token.token_id, token.logprob,
+                                         token.top_token_ids[:top], token.top_logprobs[:top])]
+            sample = state.samples[index]
+            if sample.add(update.new_token_ids, update.finish_reason, logprobs):
+                stopped.append(update.request_id)
+            if sample.finished:
+                del self._samples[update.request_id]
+                finished.append(update.request_id)
+            touched[state.request_id] = state
+        outputs = []
+        for request_id, state in touched.items():
+            if state.finished:
+                del self._requests[request_id]
+            output = state.output()
+            if output is not None:
+                outputs.append(output)
+        return outputs, stopped, finished
+
+    def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """Ends every sample of a request now.
+
+        Returns:
+            (the request's final output, unfinished samples ending with finish_reason
+            "abort"; or None if the request was not unfinished), and the scheduler ids of
+            its samples.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None, []
+        sample_ids = state.sample_ids()
+        for sample_id, sample in zip(sample_ids, state.samples, strict=True):
+            self._samples.pop(sample_id, None)
+            if not sample.finished:
+                sample.finish_reason = "abort"
+        return state.output(final=True), sample_ids

@@ -91,3 +91,36 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
     speculative: SpeculativeStats | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        """Appends a DELTA output of the same request (`SamplingParams.output_kind`), so a
+        consumer can keep the cumulative output without the engine copying it every step."""
+        samples = {sample.index: sample for sample in self.outputs}
+        for new in delta.outputs:
+            sample = samples.get(new.index)
+            if sample is None:
+                sample = samples[new.index] = CompletionOutput(new.index, "", [])
+                self.outputs.append(sample)
+                self.outputs.sort(key=lambda output: output.index)
+            sample.text += new.text
+            sample.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                sample.logprobs = (sample.logprobs or []) + list(new.logprobs)
+            sample.finish_reason = new.finish_reason
+            sample.stop_reason = new.stop_reason
+        self.finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.speculative is not None:
+            self.speculative = delta.speculative
+
+    def snapshot(self) -> RequestOutput:
+        """An independent copy (later `add`s do not change it)."""
+        return RequestOutput(
+            self.request_id, self.prompt, list(self.prompt_token_ids),
+            [dataclasses.replace(sample, token_ids=list(sample.token_ids),
+                                 logprobs=None if sample.logprobs is None
+                                 else list(sample.logprobs)) for sample in self.outputs],
+            self.finished, prompt_logprobs=self.prompt_logprobs,
+            speculative=None if self.speculative is None
+            else dataclasses.replace(self.speculative))

@@ -22,129 +22,66 @@ vLLM's three knobs, with the same names (`tensor_parallel_size`, `data_parallel_
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Sequence
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import ParallelConfig, ParallelConfigError
 from jaxinfer.models import Transformer
 from jaxinfer.sharding import make_mesh, parameter_shardings
 
-
-class ParallelConfigError(ValueError):
-    """A parallel layout the model or the machine cannot take; the message says why."""
+__all__ = ["ParallelConfig", "ParallelConfigError", "place_on_mesh", "replica_meshes"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """Tensor, data and expert parallel sizes.
+def replica_meshes(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None
+                   ) -> list[Mesh] | None:
+    """One mesh per data-parallel replica; None on one device.
 
-    Attributes:
-        tensor_parallel_size: Devices one model's heads and MLP are split over.
-        data_parallel_size: Independent engine replicas.
-        expert_parallel_size: Devices a MoE model's experts are split over (within a replica).
+    A replica's mesh is ('model',) of TP devices, or ('expert', 'model') of EP x TP
+    devices when EP > 1. In one process, replica r takes devices r x TP x EP onwards. In a
+    multi-process run every replica takes an equal share of every process's devices,
+    because process 0 schedules every replica and must take part in (and read the
+    results of) each replica's steps.
+
+    Raises:
+        ParallelConfigError: More devices are asked for than there are, or (several
+            processes) a replica's devices do not split evenly over the processes.
     """
-
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    expert_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ParallelConfigError(f"{name} = {value!r}: must be an integer >= 1")
-
-    @property
-    def devices_per_replica(self) -> int:
-        """Devices one replica's mesh holds: TP x EP."""
-        return self.tensor_parallel_size * self.expert_parallel_size
-
-    @property
-    def world_size(self) -> int:
-        """Devices the whole engine uses: TP x EP x DP."""
-        return self.devices_per_replica * self.data_parallel_size
-
-    @property
-    def is_single_device(self) -> bool:
-        return self.world_size == 1
-
-    def check_model(self, config: ModelConfig) -> None:
-        """Fails with a message when the model cannot be split as asked.
-
-        Raises:
-            ParallelConfigError: Heads, KV heads, MLP width or vocabulary not divisible by
-                the TP size; EP on a dense model or experts not divisible by the EP size.
-        """
-        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
-        for what, size in (("attention heads (num_heads)", config.num_heads),
-                           ("KV heads (num_kv_heads)", config.num_kv_heads),
-                           ("MLP width (intermediate_size)", config.intermediate_size),
-                           ("vocabulary (vocab_size)", config.vocab_size)):
-            if size % tp:
-                raise ParallelConfigError(
-                    f"tensor_parallel_size = {tp} does not divide the model's {size} {what}; "
-                    f"use a TP size that divides {math.gcd(config.num_heads, config.num_kv_heads)}"
-                    " (the KV heads bound it: each device keeps whole KV heads)")
-        if ep > 1:
-            if not config.is_moe:
-                raise ParallelConfigError(
-                    f"expert_parallel_size = {ep}, but the model has no experts (dense)")
-            if config.num_experts % ep:
-                raise ParallelConfigError(
-                    f"expert_parallel_size = {ep} does not divide the model's "
-                    f"{config.num_experts} experts")
-
-    def replica_meshes(self, devices: Sequence[jax.Device] | None = None) -> list[Mesh] | None:
-        """One mesh per data-parallel replica; None on one device.
-
-        A replica's mesh is ('model',) of TP devices, or ('expert', 'model') of EP x TP
-        devices when EP > 1. In one process, replica r takes devices r x TP x EP onwards. In a
-        multi-process run every replica takes an equal share of every process's devices,
-        because process 0 schedules every replica and must take part in (and read the
-        results of) each replica's steps.
-
-        Raises:
-            ParallelConfigError: More devices are asked for than there are, or (several
-                processes) a replica's devices do not split evenly over the processes.
-        """
-        if self.is_single_device:
-            return None
-        devices = list(jax.devices() if devices is None else devices)
-        if self.world_size > len(devices):
-            raise ParallelConfigError(
-                f"tensor_parallel_size x expert_parallel_size x data_parallel_size = "
-                f"{self.tensor_parallel_size} x {self.expert_parallel_size} x "
-                f"{self.data_parallel_size} = {self.world_size} devices, but only "
-                f"{len(devices)} {jax.default_backend()} devices are present")
-        shape = ({"expert": self.expert_parallel_size, "model": self.tensor_parallel_size}
-                 if self.expert_parallel_size > 1 else {"model": self.tensor_parallel_size})
-        per_replica = self.devices_per_replica
-        by_process: dict[int, list[jax.Device]] = {}
-        for device in devices:
-            by_process.setdefault(device.process_index, []).append(device)
-        processes = len(by_process)
-        if per_replica % processes:
-            raise ParallelConfigError(
-                f"a replica of tensor_parallel_size x expert_parallel_size = {per_replica} "
-                f"devices cannot span the {processes} processes of this run evenly; use a "
-                f"multiple of {processes}")
-        share = per_replica // processes
-        fewest = min(len(local) for local in by_process.values())
-        if share * self.data_parallel_size > fewest:
-            raise ParallelConfigError(
-                f"{self.data_parallel_size} replicas x {share} devices per process exceed the "
-                f"{fewest} devices of a process")
-        groups = [sorted(local, key=lambda device: device.id)
-                  for _, local in sorted(by_process.items())]
-        return [make_mesh(shape, devices=[device for local in groups
-                                          for device in local[index * share:
-                                                              (index + 1) * share]])
-                for index in range(self.data_parallel_size)]
+    if parallel.is_single_device:
+        return None
+    devices = list(jax.devices() if devices is None else devices)
+    if parallel.world_size > len(devices):
+        raise ParallelConfigError(
+            f"tensor_parallel_size x expert_parallel_size x data_parallel_size = "
+            f"{parallel.tensor_parallel_size} x {parallel.expert_parallel_size} x "
+            f"{parallel.data_parallel_size} = {parallel.world_size} devices, but only "
+            f"{len(devices)} {jax.default_backend()} devices are present")
+    shape = ({"expert": parallel.expert_parallel_size, "model": parallel.tensor_parallel_size}
+             if parallel.expert_parallel_size > 1 else {"model": parallel.tensor_parallel_size})
+    per_replica = parallel.devices_per_replica
+    by_process: dict[int, list[jax.Device]] = {}
+    for device in devices:
+        by_process.setdefault(device.process_index, []).append(device)
+    processes = len(by_process)
+    if per_replica % processes:
+        raise ParallelConfigError(
+            f"a replica of tensor_parallel_size x expert_parallel_size = {per_replica} "
+            f"devices cannot span the {processes} processes of this run evenly; use a "
+            f"multiple of {processes}")
+    share = per_replica // processes
+    fewest = min(len(local) for local in by_process.values())
+    if share * parallel.data_parallel_size > fewest:
+        raise ParallelConfigError(
+            f"{parallel.data_parallel_size} replicas x {share} devices per process exceed the "
+            f"{fewest} devices of a process")
+    groups = [sorted(local, key=lambda device: device.id)
+              for _, local in sorted(by_process.items())]
+    return [make_mesh(shape, devices=[device for local in groups
+                                      for device in local[index * share:
+                                                          (index + 1) * share]])
+            for index in range(parallel.data_parallel_size)]
 
 
 def place_on_mesh(model: Transformer, mesh: Mesh, layout: str = "tensor_parallel"

@@ -9,10 +9,13 @@ device-side counterpart is `jaxinfer.engine.device.sampler.SamplingArrays`, whic
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
+
+from jaxinfer.engine.errors import RequestError
 
 # vLLM's `_SAMPLING_EPS`: a temperature below this is greedy. Dividing logits by a temperature
 # this small would only turn float noise into the decision, so the argmax is the honest answer.
@@ -23,8 +26,10 @@ MAX_LOGPROBS = 20
 
 
 def _fail(name: str, value: Any, rule: str) -> NoReturn:
-    """Raises the one message format every check uses: `name = value: rule`."""
-    raise ValueError(f"{name} = {value!r}: {rule}")
+    """Raises the one message format every check uses: `name = value: rule`, naming the field
+    (`stop[2]` and `logit_bias token id` belong to `stop` and `logit_bias`)."""
+    field = name.split("[")[0].split(" ")[0]
+    raise RequestError(field, f"{name} = {value!r}: {rule}")
 
 
 def _real(name: str, value: Any) -> float:
@@ -46,6 +51,19 @@ def _check_range(name: str, value: Any, low: float, high: float, interval: str) 
     number = _real(name, value)
     if not low <= number <= high:
         _fail(name, value, f"must be in {interval}")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request holds (vLLM's `output_kind`).
+
+    CUMULATIVE: everything so far (text, tokens, logprobs), every step; DELTA: only what is new
+    since the request's previous output (servers stream these; nothing is copied per step);
+    FINAL_ONLY: one cumulative output, when the request finishes.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,6 +97,8 @@ class SamplingParams:
             returns none (0 returns only the chosen token's).
         prompt_logprobs: Same, for each prompt token; None returns none.
         skip_special_tokens: Leave special tokens out of the detokenized text.
+        output_kind: Cumulative outputs (the default), deltas, or the final output only; a
+            `RequestOutputKind` or its value.
     """
 
     n: int = 1
@@ -100,6 +120,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if _integer("n", self.n) < 1:
@@ -135,6 +156,11 @@ class SamplingParams:
         # way to normalize in __post_init__).
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        try:
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
+        except ValueError:
+            _fail("output_kind", self.output_kind,
+                  f"must be one of {[kind.value for kind in RequestOutputKind]}")
         object.__setattr__(self, "stop", self._checked_stop())
         object.__setattr__(self, "stop_token_ids", self._checked_stop_token_ids())
         object.__setattr__(self, "logit_bias", self._checked_logit_bias())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.factory import load_engine
 from serve.server import BackgroundServer
 from serve.service import InferenceService, ServiceConfig
 
@@ -23,7 +23,7 @@ ENGINE_OPTIONS = dict(page_size=16, max_num_batched_tokens=128, max_num_seqs=16,
 
 def make_service(**config) -> InferenceService:
     """A service over a fresh demo-model engine (not yet started)."""
-    engine = AsyncEngine(Engine.from_pretrained("builtin:demo", **ENGINE_OPTIONS),
+    engine = AsyncEngine(load_engine("builtin:demo", **ENGINE_OPTIONS),
                          warm_up=False)
     config.setdefault("chat_template", CHAT_TEMPLATE)
     return InferenceService(engine, ServiceConfig(model_name="demo", **config))

@@ -1,5 +1,5 @@
 """A quantized checkpoint served over HTTP: it loads through the path `jaxinfer serve` uses
-(`Engine.from_pretrained`), and greedy completions equal the reference `generate` of the same
+(`load_engine`), and greedy completions equal the reference `generate` of the same
 quantized model. The tiny model keeps it fast; it borrows the demo's tokenizer (its 512 ids
 are valid demo ids) so the server can detokenize."""
 
@@ -10,7 +10,7 @@ import urllib.request
 
 from jaxinfer.config import get_preset
 from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.factory import load_engine
 from jaxinfer.generate import generate
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.models import create_model
@@ -26,7 +26,7 @@ def test_a_quantized_checkpoint_serves_its_reference_output(tmp_path):
                                      tokenizer_directory=resolve_model_path("builtin:demo"))
     prompt = [1, 450, 101, 134, 338]  # token ids: no text round trip in the comparison
     [expected] = generate(load_model(directory), [prompt], max_new_tokens=8, eos_token_ids=())
-    engine = Engine.from_pretrained(directory, page_size=16, max_num_batched_tokens=32,
+    engine = load_engine(directory, page_size=16, max_num_batched_tokens=32,
                                     max_num_seqs=2, max_model_len=64, bucket_growth=4)
     service = InferenceService(AsyncEngine(engine, warm_up=False),
                                ServiceConfig(model_name="tiny-int4"))

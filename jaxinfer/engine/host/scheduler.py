@@ -37,71 +37,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxinfer.engine.config import CacheConfig, SchedulerConfig, SchedulerConfigError
 from jaxinfer.engine.host.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.host.request import Request, RequestStatus
-
-
-class SchedulerConfigError(ValueError):
-    """A scheduler configuration field has a bad value."""
-
-
-def _fail(field: str, value: Any, why: str) -> SchedulerConfigError:
-    return SchedulerConfigError(f"scheduler config field {field!r} = {value!r}: {why}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """Limits of one scheduling step and of the KV cache.
-
-    Attributes:
-        max_num_batched_tokens: Token budget of one step (prefill chunks and decodes together).
-        max_num_seqs: Most requests running at once.
-        block_size: Token slots per KV-cache block.
-        num_blocks: Blocks in the pool, including the reserved null block 0.
-        enable_prefix_caching: Whether full prompt blocks are shared between requests.
-        max_model_len: Longest sequence (prompt plus outputs); a request stops with
-            FINISHED_LENGTH when it gets there.
-    """
-
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    block_size: int
-    num_blocks: int
-    enable_prefix_caching: bool = True
-    max_model_len: int
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raises SchedulerConfigError naming the first field whose value is invalid."""
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_blocks",
-                     "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise _fail(name, value, "must be a positive integer")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise _fail("enable_prefix_caching", self.enable_prefix_caching, "must be a bool")
-        if self.max_model_len < 2:
-            raise _fail("max_model_len", self.max_model_len,
-                        "must be >= 2 (one prompt token and one output token)")
-        # Below this, the requests past the budget would starve behind the ones before them.
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise _fail("max_num_batched_tokens", self.max_num_batched_tokens,
-                        f"must be >= max_num_seqs = {self.max_num_seqs}, so that every running "
-                        "request can decode in each step")
-        # A request alone must always fit, or preemption could never make it progress.
-        needed = self.max_blocks_per_request + 1
-        if self.num_blocks < needed:
-            raise _fail("num_blocks", self.num_blocks,
-                        f"must be >= {needed}: one max_model_len = {self.max_model_len} sequence "
-                        f"needs {needed - 1} blocks of {self.block_size} tokens, plus the null "
-                        "block")
-
-    @property
-    def max_blocks_per_request(self) -> int:
-        """Most blocks one request's table can hold (a max_model_len sequence)."""
-        return -(-self.max_model_len // self.block_size)
 
 
 @dataclasses.dataclass
@@ -218,11 +156,31 @@ class Scheduler:
         running: Admitted requests, oldest admission first.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        """Creates an idle scheduler with an empty pool."""
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig) -> None:
+        """Creates an idle scheduler with an empty pool.
+
+        Args:
+            config: The step's limits, `max_model_len` resolved.
+            cache: The page pool, `num_pages` resolved (the null page included).
+
+        Raises:
+            SchedulerConfigError: Unresolved sizes, or a pool that cannot hold one
+                `max_model_len` sequence (it could never make progress).
+        """
+        if config.max_model_len is None or cache.num_pages is None:
+            raise SchedulerConfigError("the scheduler needs max_model_len and num_pages "
+                                       "resolved (EngineConfig.resolved)")
+        # A request alone must always fit, or preemption could never make it progress.
+        needed = cache.pages_per_sequence(config.max_model_len) + 1
+        if cache.num_pages < needed:
+            raise SchedulerConfigError(
+                f"scheduler config field 'num_blocks' = {cache.num_pages!r}: must be >= "
+                f"{needed}: one max_model_len = {config.max_model_len} sequence needs "
+                f"{needed - 1} blocks of {cache.page_size} tokens, plus the null block")
         self.config = config
-        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
+        self.cache = cache
+        self.kv_cache_manager = KVCacheManager(cache.num_pages, cache.page_size,
+                                               cache.enable_prefix_caching)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}

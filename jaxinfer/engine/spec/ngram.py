@@ -1,9 +1,9 @@
-"""Speculative decoding options and the prompt-lookup (n-gram) drafter; host side, no jax.
+"""The prompt-lookup (n-gram) drafter; host side, no jax.
 
-    engine = Engine(model, EngineConfig(speculative={"method": "ngram", "num_tokens": 4,
-                                                     "max_ngram": 3}))
-    engine = Engine(model, EngineConfig(speculative={"method": "draft_model", "num_tokens": 4,
-                                                     "model": "builtin:demo-draft"}))
+    engine = load_engine(model, speculative={"method": "ngram", "num_tokens": 4,
+                                             "max_ngram": 3})
+
+(the options are `jaxinfer.engine.config.SpeculativeConfig`).
 
 Prompt lookup (METHODS.md section 5) matches the last n tokens of a request (n = max_ngram
 down to min_ngram) against its earlier prompt and output tokens and proposes the k tokens that
@@ -13,64 +13,9 @@ copies, code edits). The drafts are verified as a point-mass drafter, so samplin
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
-
-METHODS = ("ngram", "draft_model")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SpeculativeConfig:
-    """How the engine drafts tokens.
-
-    Attributes:
-        method: "ngram" (prompt lookup) or "draft_model".
-        num_tokens: k, the most draft tokens verified per request and step.
-        max_ngram: Longest suffix prompt lookup tries to match.
-        min_ngram: Shortest suffix it tries before giving up (no drafts that step).
-        model: The drafter for "draft_model" (anything `load_model` takes, e.g.
-            "builtin:demo-draft"); it must share the target's tokenizer.
-    """
-
-    method: str
-    num_tokens: int
-    max_ngram: int = 3
-    min_ngram: int = 1
-    model: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method = {self.method!r}: must be one of {METHODS}")
-        for name in ("num_tokens", "max_ngram", "min_ngram"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative {name} = {value!r}: must be a positive integer")
-        if self.min_ngram > self.max_ngram:
-            raise ValueError(f"speculative min_ngram = {self.min_ngram} exceeds max_ngram = "
-                             f"{self.max_ngram}")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("speculative 'model' is required for method 'draft_model' and "
-                             f"only allowed there; got method {self.method!r}, model "
-                             f"{self.model!r}")
-
-    @classmethod
-    def parse(cls, options: SpeculativeConfig | Mapping[str, Any] | None
-              ) -> SpeculativeConfig | None:
-        """Accepts a config, a dict of its fields (the engine option's form) or None.
-
-        Raises:
-            ValueError: An unknown key or a bad value.
-        """
-        if options is None or isinstance(options, SpeculativeConfig):
-            return options
-        fields = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - fields)
-        if unknown:
-            raise ValueError(f"unknown speculative options {unknown}; valid: {sorted(fields)}")
-        return cls(**options)
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, max_ngram: int,

@@ -25,7 +25,7 @@ def model():
 
 @pytest.fixture
 def engine(model):
-    engine = AsyncEngine(Engine(model, EngineConfig(
+    engine = AsyncEngine(Engine(model, EngineConfig.from_options(
         page_size=4, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64,
         enable_prompt_logprobs=False)), warm_up=False)
     engine.start()

@@ -66,7 +66,7 @@ def _run(engine, prompts, arrivals, abort=()):
 ], ids=["prefix-cache", "no-prefix-cache", "preemption"])
 def test_engine_equals_reference_generation(model, workload, setting):
     prompts, expected, arrivals = workload
-    config = EngineConfig(page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
+    config = EngineConfig.from_options(page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
                           max_model_len=512, **setting)
     engine = Engine(model, config)
     assert _run(engine, prompts, arrivals) == expected
@@ -78,7 +78,7 @@ def test_engine_equals_reference_generation(model, workload, setting):
 
 def test_aborts_in_prefill_and_decode_free_everything(model, workload):
     prompts, expected, arrivals = workload
-    engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=48,
+    engine = Engine(model, EngineConfig.from_options(page_size=16, max_num_batched_tokens=48,
                                         max_num_seqs=8, max_model_len=512))
     aborted = {"0": 3, "5": 40, "6": 41, "63": 200}  # some mid-prefill, some mid-decode
     got = _run(engine, prompts, arrivals, abort=aborted.items())
@@ -91,7 +91,7 @@ def test_aborts_in_prefill_and_decode_free_everything(model, workload):
 
 
 def test_no_compilation_after_warm_up_and_batch_invariant_seeds(model):
-    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=32,
+    engine = Engine(model, EngineConfig.from_options(page_size=8, max_num_batched_tokens=32,
                                         max_num_seqs=4, max_model_len=128))
     engine.warm_up()
     compiled = engine.runner.compilations
@@ -118,7 +118,7 @@ def _collect(engine):
 
 
 def test_bad_requests_are_rejected_and_the_rest_carry_on(model):
-    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=32,
+    engine = Engine(model, EngineConfig.from_options(page_size=8, max_num_batched_tokens=32,
                                         max_num_seqs=4, max_model_len=64))
     engine.add_request("good", [1, 2, 3], _greedy(3))
     with pytest.raises(ValueError, match=r"prompt token ids \[9999\] are outside the vocab"):

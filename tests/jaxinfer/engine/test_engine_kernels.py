@@ -19,7 +19,7 @@ from pallas_kernels import dispatch
 
 def _greedy_run(model, prompts):
     # A 24-token budget splits the 40-token prompt into chunks while others decode.
-    config = EngineConfig(page_size=8, max_num_batched_tokens=24, max_num_seqs=4,
+    config = EngineConfig.from_options(page_size=8, max_num_batched_tokens=24, max_num_seqs=4,
                           max_model_len=64, enable_prompt_logprobs=False)
     engine = Engine(model, config)
     for index, prompt in enumerate(prompts):

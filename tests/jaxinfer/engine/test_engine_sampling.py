@@ -29,7 +29,7 @@ def model():
 def _engine(model, tokenizer=None, **overrides):
     config = dict(page_size=4, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128,
                   enable_prompt_logprobs=True)
-    return Engine(model, EngineConfig(**{**config, **overrides}), tokenizer)
+    return Engine(model, EngineConfig.from_options(**{**config, **overrides}), tokenizer)
 
 
 def _finish(engine):

@@ -9,9 +9,10 @@ import random
 import pytest
 
 from jaxinfer.config import get_preset
+from jaxinfer.engine.config import SpeculativeConfig
 from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.spec.ngram import SpeculativeConfig, propose_ngram
+from jaxinfer.engine.spec.ngram import propose_ngram
 from jaxinfer.generate import generate
 from jaxinfer.models import create_model
 
@@ -81,7 +82,8 @@ def _check(engine, workload, aborted=None):
 
 def test_ngram_greedy_equals_reference_with_preemption_and_aborts(model, workload):
     # bucket_growth=4: fewer step programs to compile, the test's main cost.
-    engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
+    engine = Engine(model, EngineConfig.from_options(
+            page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
                                         max_model_len=320, num_pages=24, bucket_growth=4,
                                         speculative=NGRAM))
     # Some aborted mid-prefill, some mid-decode (arrivals run to step 40).
@@ -92,14 +94,16 @@ def test_ngram_greedy_equals_reference_with_preemption_and_aborts(model, workloa
 
 @pytest.mark.slow
 def test_ngram_greedy_equals_reference_without_preemption(model, workload):
-    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=32, max_num_seqs=8,
+    engine = Engine(model, EngineConfig.from_options(
+            page_size=8, max_num_batched_tokens=32, max_num_seqs=8,
                                         max_model_len=320, speculative=NGRAM))
     _check(engine, workload)
     assert engine.num_preemptions == 0
 
 
 def test_speculation_compiles_nothing_after_warm_up(model):
-    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=16, max_num_seqs=2,
+    engine = Engine(model, EngineConfig.from_options(
+            page_size=8, max_num_batched_tokens=16, max_num_seqs=2,
                                         max_model_len=128, enable_prompt_logprobs=False,
                                         bucket_growth=4, speculative=NGRAM))
     engine.warm_up()

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec
 
 from jaxinfer.config import get_preset
 from jaxinfer.engine.core import Engine, EngineConfig
-from jaxinfer.engine.data_parallel import DataParallelEngine, build_engine, load_engine
+from jaxinfer.engine.data_parallel import DataParallelEngine
+from jaxinfer.engine.factory import build_engine, load_engine
 from jaxinfer.engine.parallel import ParallelConfig, ParallelConfigError
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.models import create_model
@@ -68,7 +69,7 @@ def wide_model():
 @pytest.fixture(scope="module")
 def wide_reference(wide_model):
     prompts, arrivals = _workload(WIDE.vocab_size)
-    engine = Engine(wide_model, EngineConfig(**_engine_options()))
+    engine = Engine(wide_model, EngineConfig.from_options(**_engine_options()))
     return prompts, arrivals, _run(engine, prompts, arrivals)
 
 
@@ -79,7 +80,7 @@ def _pool_spec(engine: Engine) -> PartitionSpec:
 @pytest.mark.parametrize("tensor_parallel_size", [2, 4, 8])
 def test_tensor_parallel_equals_one_device(wide_model, wide_reference, tensor_parallel_size):
     prompts, arrivals, expected = wide_reference
-    engine = build_engine(wide_model, EngineConfig(
+    engine = build_engine(wide_model, EngineConfig.from_options(
         **_engine_options(tensor_parallel_size=tensor_parallel_size)))
     assert isinstance(engine, Engine)
     # Weights: heads and MLP width split over 'model'; the pool split on its KV-head axis.
@@ -99,7 +100,7 @@ def test_tensor_parallel_equals_one_device(wide_model, wide_reference, tensor_pa
 
 def test_data_parallel_of_tensor_parallel_replicas(wide_model, wide_reference):
     prompts, arrivals, expected = wide_reference
-    engine = build_engine(wide_model, EngineConfig(
+    engine = build_engine(wide_model, EngineConfig.from_options(
         **_engine_options(tensor_parallel_size=4, data_parallel_size=2)))
     assert isinstance(engine, DataParallelEngine)
     first, second = engine.replicas
@@ -121,8 +122,10 @@ def test_data_parallel_of_tensor_parallel_replicas(wide_model, wide_reference):
 def test_expert_parallel_mixtral_equals_one_device():
     model = create_model(MOE, seed=5)
     prompts, arrivals = _workload(MOE.vocab_size)
-    expected = _run(Engine(model, EngineConfig(**_engine_options())), prompts, arrivals)
-    engine = build_engine(model, EngineConfig(**_engine_options(expert_parallel_size=4)))
+    expected = _run(Engine(model, EngineConfig.from_options(
+            **_engine_options())), prompts, arrivals)
+    engine = build_engine(model, EngineConfig.from_options(
+            **_engine_options(expert_parallel_size=4)))
     specs = describe(engine.runner.state)
     # Experts over 'expert' (the replica's 'model' axis has size 1 here).
     assert specs["layers.0.mlp.gate_proj"] == PartitionSpec("expert", None, "model")
@@ -136,14 +139,14 @@ def test_expert_parallel_mixtral_equals_one_device():
 def test_invalid_layouts_fail_at_start_with_a_message(wide_model):
     tiny = create_model(get_preset("tiny"), seed=0)  # 2 KV heads
     with pytest.raises(ParallelConfigError, match="tensor_parallel_size = 4 does not divide"):
-        build_engine(tiny, EngineConfig(**_engine_options(tensor_parallel_size=4)))
+        build_engine(tiny, EngineConfig.from_options(**_engine_options(tensor_parallel_size=4)))
     with pytest.raises(ParallelConfigError, match="16 devices, but only 8"):
-        build_engine(wide_model, EngineConfig(
+        build_engine(wide_model, EngineConfig.from_options(
             **_engine_options(tensor_parallel_size=8, data_parallel_size=2)))
     with pytest.raises(ParallelConfigError, match="no experts"):
-        build_engine(tiny, EngineConfig(**_engine_options(expert_parallel_size=2)))
+        build_engine(tiny, EngineConfig.from_options(**_engine_options(expert_parallel_size=2)))
     with pytest.raises(ParallelConfigError, match="must be an integer >= 1"):
-        EngineConfig(tensor_parallel_size=0)
+        EngineConfig.from_options(tensor_parallel_size=0)
     with pytest.raises(ParallelConfigError, match="does not divide the model's 4 experts"):
         ParallelConfig(expert_parallel_size=3).check_model(MOE)
     # Checked before any weight is read.

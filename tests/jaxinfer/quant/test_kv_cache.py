@@ -53,7 +53,7 @@ def test_engine_with_an_int8_cache_equals_reference_generate_with_int8_rounding(
     with simulated_quantization(keys_values=int8_round_trip):
         expected = generate(model, prompts, max_new_tokens=6, eos_token_ids=())
     jax.clear_caches()
-    engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=32,
+    engine = Engine(model, EngineConfig.from_options(page_size=16, max_num_batched_tokens=32,
                                         max_num_seqs=4, max_model_len=128, bucket_growth=4,
                                         kv_cache_dtype="int8"))
     for index, prompt in enumerate(prompts):
@@ -65,7 +65,7 @@ def test_engine_with_an_int8_cache_equals_reference_generate_with_int8_rounding(
             outputs[output.request_id] = output.outputs[0].token_ids
     assert [outputs[str(index)] for index in range(len(prompts))] == expected
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int4")
+        EngineConfig.from_options(kv_cache_dtype="int4")
 
 
 def test_int8_cache_perplexity_equals_the_simulated_rounding(model):

@@ -143,7 +143,7 @@ def test_engine_greedy_equals_reference_generate_on_the_quantized_model(model):
     expected = generate(quantized, prompts, max_new_tokens=6, eos_token_ids=())
     assert expected != generate(model, prompts, max_new_tokens=6, eos_token_ids=()), (
         "quantization changed nothing: the comparison would not test the quantized path")
-    engine = Engine(quantized, EngineConfig(page_size=16, max_num_batched_tokens=32,
+    engine = Engine(quantized, EngineConfig.from_options(page_size=16, max_num_batched_tokens=32,
                                             max_num_seqs=4, max_model_len=128,
                                             bucket_growth=4))
     for index, prompt in enumerate(prompts):

@@ -15,14 +15,15 @@ import sys
 import pytest
 
 import jaxinfer.engine
+from jaxinfer.engine.config import CacheConfig, SchedulerConfig, SchedulerConfigError
 from jaxinfer.engine.host.block_pool import NULL_BLOCK_ID
 from jaxinfer.engine.host.request import Request, RequestStatus
-from jaxinfer.engine.host.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
+from jaxinfer.engine.host.scheduler import Scheduler
 
 VOCAB = 97
 ENGINE_DIR = pathlib.Path(jaxinfer.engine.__file__).parent
-HOST_MODULES = ("__init__", "host/__init__", "host/block_pool", "host/kv_cache_manager",
-                "host/request", "host/scheduler")
+HOST_MODULES = ("__init__", "config", "host/__init__", "host/block_pool",
+                "host/kv_cache_manager", "host/request", "host/scheduler")
 
 
 def next_token(context):
@@ -49,7 +50,7 @@ class PagedFakeModel:
 
     def __init__(self, scheduler):
         self.pool = scheduler.kv_cache_manager.block_pool
-        self.block_size = scheduler.config.block_size
+        self.block_size = scheduler.cache.page_size
         self.pages = {}
 
     def execute(self, scheduler_output):
@@ -75,7 +76,14 @@ def make_scheduler(**overrides):
     fields = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_blocks=200,
                   max_model_len=64)
     fields.update(overrides)
-    return Scheduler(SchedulerConfig(**fields))
+    return Scheduler(*split_config(**fields))
+
+
+def split_config(*, block_size, num_blocks, enable_prefix_caching=True, **scheduler_fields):
+    """The scheduler's two configs from the flat fields these tests use."""
+    return (SchedulerConfig(**scheduler_fields),
+            CacheConfig(page_size=block_size, num_pages=num_blocks,
+                        enable_prefix_caching=enable_prefix_caching))
 
 
 def check_invariants(scheduler, scheduler_output):
@@ -100,7 +108,7 @@ def check_invariants(scheduler, scheduler_output):
     references = [0] * pool.num_blocks
     for request in scheduler.running:
         table = manager.get_block_table(request.request_id)
-        assert len(table) == -(-request.num_computed_tokens // config.block_size)
+        assert len(table) == -(-request.num_computed_tokens // scheduler.cache.page_size)
         for block_id in table:
             references[block_id] += 1
     assert all(references[block_id] == pool.ref_count(block_id)
@@ -167,10 +175,10 @@ def random_requests(rng, count, max_model_len, vocab=VOCAB, prefixes=()):
 def test_config_names_the_bad_field(field, value):
     fields = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_blocks=17,
                   max_model_len=64)
-    SchedulerConfig(**fields)
+    Scheduler(*split_config(**fields))
     fields[field] = value
     with pytest.raises(SchedulerConfigError, match=repr(field)):
-        SchedulerConfig(**fields)
+        Scheduler(*split_config(**fields))
 
 
 def test_add_request_rejects_reused_ids_and_prompts_without_room():
@@ -579,7 +587,7 @@ def test_speculative_drafts_roll_back_and_lose_nothing(seed, enable_prefix_cachi
         # After the rollback, each table covers exactly the computed tokens again.
         for request in scheduler.running:
             table = scheduler.kv_cache_manager.get_block_table(request.request_id)
-            assert len(table) == -(-request.num_computed_tokens // scheduler.config.block_size)
+            assert len(table) == -(-request.num_computed_tokens // scheduler.cache.page_size)
     assert 0 < accepted < drafted
     for request_id, request in added.items():
         expected, _ = reference_outputs(request.prompt_token_ids, request.max_tokens,
@@ -652,7 +660,7 @@ def _imported_modules(path):
 def test_host_modules_import_no_jax(module):
     # Statically, including imports inside functions; project imports must stay among the host
     # modules checked here, so that the check covers everything they pull in.
-    allowed_project = {"jaxinfer.engine.host"} | {
+    allowed_project = {"jaxinfer.engine.host", "jaxinfer.config"} | {
         f"jaxinfer.engine.{name.replace('/', '.')}" for name in HOST_MODULES
         if not name.endswith("__init__")}
     for name in _imported_modules(ENGINE_DIR / f"{module}.py"):

@@ -58,7 +58,8 @@ def workload(model):
 def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, drafter,
                                                                         workload):
     prompts, expected, arrivals = workload
-    engine = Engine(model, EngineConfig(page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
+    engine = Engine(model, EngineConfig.from_options(
+            page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
                                         max_model_len=256, num_pages=24, speculative=DRAFT,
                                         enable_prompt_logprobs=False, bucket_growth=4),
                     draft_model=drafter)
@@ -90,7 +91,8 @@ def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, d
 
 def test_draft_model_compiles_nothing_after_warm_up(model, drafter):
     # One token bucket and one sequence bucket: two programs to compile, the test's cost.
-    engine = Engine(model, EngineConfig(page_size=8, max_num_batched_tokens=8, max_num_seqs=1,
+    engine = Engine(model, EngineConfig.from_options(
+            page_size=8, max_num_batched_tokens=8, max_num_seqs=1,
                                         max_model_len=128, enable_prompt_logprobs=False,
                                         speculative=DRAFT), draft_model=drafter)
     engine.warm_up()
@@ -180,8 +182,9 @@ def test_demo_models_sample_the_targets_distribution():
     options = dict(page_size=16, max_num_batched_tokens=128, max_num_seqs=32, max_model_len=64,
                    enable_prompt_logprobs=False)
     params = dict(temperature=0.9, top_k=30)
-    plain = _first_tokens(Engine(teacher, EngineConfig(**options)), prompt, 3000, params)
-    engine = Engine(teacher, EngineConfig(**options, speculative={
+    plain = _first_tokens(Engine(teacher, EngineConfig.from_options(
+            **options)), prompt, 3000, params)
+    engine = Engine(teacher, EngineConfig.from_options(**options, speculative={
         "method": "draft_model", "model": "builtin:demo-draft", "num_tokens": 3}))
     speculative = _first_tokens(engine, prompt, 3000, params)
     assert engine.stats().num_accepted_tokens > 1000
@@ -190,7 +193,7 @@ def test_demo_models_sample_the_targets_distribution():
         assert _homogeneity_p_value(plain[:, position], speculative[:, position]) > 1e-3
     # The same test notices a distribution that is only slightly off: the teacher at a
     # higher temperature.
-    hotter = _first_tokens(Engine(teacher, EngineConfig(**options)), prompt, 3000,
+    hotter = _first_tokens(Engine(teacher, EngineConfig.from_options(**options)), prompt, 3000,
                            dict(temperature=1.2, top_k=30))
     assert _homogeneity_p_value(plain[:, 1], hotter[:, 1]) < 1e-3
 
@@ -214,8 +217,9 @@ def test_draft_model_with_an_int8_kv_cache_equals_plain_int8_decoding(model, dra
     config = {"page_size": 8, "max_num_batched_tokens": 32, "max_num_seqs": 4,
               "max_model_len": 128, "enable_prompt_logprobs": False, "bucket_growth": 4,
               "kv_cache_dtype": "int8"}
-    expected = _greedy_outputs(Engine(model, EngineConfig(**config)), prompts)
-    engine = Engine(model, EngineConfig(**config, speculative=DRAFT), draft_model=drafter)
+    expected = _greedy_outputs(Engine(model, EngineConfig.from_options(**config)), prompts)
+    engine = Engine(model, EngineConfig.from_options(
+            **config, speculative=DRAFT), draft_model=drafter)
     assert _greedy_outputs(engine, prompts) == expected
     assert engine.stats().num_draft_tokens > 0
     assert engine.num_free_pages == engine.config.num_pages - 1

@@ -1,0 +1,127 @@
+"""What every engine offers its callers: the `EngineClient` protocol and `EngineStats`.
+
+`Engine` (one replica) and `DataParallelEngine` (several) both satisfy it, so `LLM`,
+`AsyncEngine`, the servers and the multi-host steps hold an `EngineClient` and never ask which
+one they have, nor reach through it (`engine.scheduler.kv_cache_manager`, ...). No jax here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.config import EngineConfig
+    from jaxinfer.engine.device.runner import ModelRunner
+    from jaxinfer.engine.input_processor import ProcessedRequest, Prompt
+    from jaxinfer.engine.outputs import RequestOutput
+    from jaxinfer.engine.sampling_params import SamplingParams
+    from jaxinfer.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's load, for a server's metrics and admission control.
+
+    Attributes:
+        num_running: Sequences (samples) scheduled in the running set.
+        num_waiting: Sequences waiting for admission (new or preempted).
+        kv_cache_usage: Fraction of the page pool held by requests (cached-but-free pages
+            count as free: they are evicted on demand).
+        prefix_cache_hit_rate: Fraction of admitted prompt tokens served by the prefix cache.
+        num_preemptions: Preemptions since the engine was built.
+        num_steps: Device steps run since the engine was built.
+        num_spec_steps: Request-steps that verified drafts.
+        num_draft_tokens: Draft tokens verified.
+        num_accepted_tokens: Of those, the accepted ones.
+        num_free_pages: Pages free or evictable (the pool's capacity when idle).
+        prefix_cache_queries: Prompt tokens looked up in the prefix cache.
+        prefix_cache_hits: Of those, the ones found.
+        num_unfinished_requests: User requests added and neither finished nor aborted.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_free_pages: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_unfinished_requests: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The engine interface: requests in, outputs out, stats and facts.
+
+    Attributes:
+        config: The engine's options (resolved).
+        model_config: The served model's config (vocabulary, EOS ids, ...).
+        tokenizer: For text; None serves token ids only.
+    """
+
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+
+    def process_request(self, request_id: str, prompt: Prompt,
+                        sampling_params: SamplingParams | None = None, *,
+                        cache_salt: str | None = None,
+                        speculative: bool = True) -> ProcessedRequest:
+        """Checks a request without queuing it (any thread); raises `RequestError`."""
+        ...
+
+    def add_processed_request(self, processed: ProcessedRequest) -> None:
+        """Queues a request `process_request` checked; raises `RequestError` on a duplicate
+        id."""
+        ...
+
+    def add_request(self, request_id: str, prompt: Prompt,
+                    sampling_params: SamplingParams | None = None, *,
+                    cache_salt: str | None = None, speculative: bool = True) -> None:
+        """`process_request` then `add_processed_request`."""
+        ...
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stops a request now and frees its pages; its final output, or None if unknown."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; the outputs of the requests it changed."""
+        ...
+
+    def has_unfinished_requests(self) -> bool:
+        ...
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        ...
+
+    def stats(self) -> EngineStats:
+        ...
+
+    def warm_up(self) -> float:
+        """Compiles every program the engine will run; returns seconds."""
+        ...
+
+    @property
+    def compilations(self) -> int:
+        """Programs compiled so far (constant after `warm_up`)."""
+        ...
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """The device runners, one per data-parallel replica, in replica order (multi-host
+        runs send their steps to the other processes)."""
+        ...

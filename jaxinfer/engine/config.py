@@ -1,0 +1,467 @@
+"""Engine options, composed of one part per user, and the command-line flags made from them.
+
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=32),
+                          cache=CacheConfig(kv_cache_dtype="int8"))
+    config = EngineConfig.from_options(max_num_seqs=32, kv_cache_dtype="int8")  # vLLM's flat names
+
+Each part is handed whole to the piece that reads it: `CacheConfig` to the KV cache manager and
+the page pool, `SchedulerConfig` to the scheduler, `ParallelConfig` to the engine factory,
+`SpeculativeConfig` to the proposer and the verifying step, `CompileConfig` to the runner's
+bucketing. A field name appears in exactly one part, so the flat spelling that `LLM(...)`,
+`jaxinfer serve` and `jaxinfer bench` take (vLLM's names) maps to one place, and
+`add_engine_arguments` builds every command's flags from these classes: a new option is one
+field here, with its help text in the field's metadata.
+
+No jax here (the host scheduler imports this module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from jaxinfer.config import ModelConfig
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+KV_CACHE_DTYPES = (None, "int8")
+
+
+class SchedulerConfigError(ValueError):
+    """A scheduler or cache configuration field has a bad value (the message names it)."""
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout the model or the machine cannot take; the message says why."""
+
+
+def _help(text: str, **metadata: Any) -> dict[str, Any]:
+    """Field metadata: the flag's help text (and optional `flag`/`choices` overrides)."""
+    return {"help": text, **metadata}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _scheduler_error(field: str, value: Any, why: str) -> SchedulerConfigError:
+    return SchedulerConfigError(f"scheduler config field {field!r} = {value!r}: {why}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        page_size: Tokens per KV-cache page (vLLM's block_size).
+        num_pages: Pages in the pool, the null page included; None sizes it for
+            `max_num_seqs` sequences of `max_model_len` tokens.
+        enable_prefix_caching: Share the KV pages of identical full prompt blocks.
+        cache_dtype: KV page dtype; None means the model's compute dtype.
+        kv_cache_dtype: "int8" quantizes the KV cache (int8 pages, one float32 scale per
+            token and KV head); None keeps `cache_dtype`.
+    """
+
+    page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
+    num_pages: int | None = dataclasses.field(
+        default=None, metadata=_help("KV pages, the null page included (default: "
+                                     "max-num-seqs sequences of max-model-len tokens)"))
+    enable_prefix_caching: bool = dataclasses.field(
+        default=True, metadata=_help("share the KV pages of identical prompt prefixes"))
+    cache_dtype: str | None = dataclasses.field(
+        default=None, metadata=_help("KV page dtype (default: the model's compute dtype)",
+                                     choices=("float32", "bfloat16")))
+    kv_cache_dtype: str | None = dataclasses.field(
+        default=None, metadata=_help("'int8' quantizes the KV cache", choices=("int8",)))
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.page_size):
+            raise _scheduler_error("block_size", self.page_size, "must be a positive integer")
+        if self.num_pages is not None and not _positive_int(self.num_pages):
+            raise _scheduler_error("num_blocks", self.num_pages, "must be a positive integer")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise _scheduler_error("enable_prefix_caching", self.enable_prefix_caching,
+                                   "must be a bool")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype = {self.kv_cache_dtype!r}: None or 'int8'")
+        if self.kv_cache_dtype is not None and self.cache_dtype is not None:
+            raise ValueError(f"give cache_dtype ({self.cache_dtype!r}) or kv_cache_dtype "
+                             f"({self.kv_cache_dtype!r}), not both")
+
+    @property
+    def page_dtype(self) -> str | None:
+        """What the page pool stores: "int8", a float dtype, or None (the model's)."""
+        return self.kv_cache_dtype or self.cache_dtype
+
+    def pages_per_sequence(self, max_model_len: int) -> int:
+        """Pages one `max_model_len` sequence needs."""
+        return -(-max_model_len // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one scheduling step.
+
+    Attributes:
+        max_num_batched_tokens: Token budget of one step (prefill chunks and decodes).
+        max_num_seqs: Most requests running at once.
+        max_model_len: Longest sequence (prompt plus outputs); None means the model's
+            max_position_embeddings. A request stops with FINISHED_LENGTH when it gets there.
+    """
+
+    max_num_batched_tokens: int = dataclasses.field(
+        default=256, metadata=_help("token budget of one step"))
+    max_num_seqs: int = dataclasses.field(default=16,
+                                          metadata=_help("most requests running at once"))
+    max_model_len: int | None = dataclasses.field(
+        default=None, metadata=_help("longest prompt + output (default: the model's)"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if not _positive_int(getattr(self, name)):
+                raise _scheduler_error(name, getattr(self, name), "must be a positive integer")
+        if self.max_model_len is not None:
+            if not _positive_int(self.max_model_len):
+                raise _scheduler_error("max_model_len", self.max_model_len,
+                                       "must be a positive integer")
+            if self.max_model_len < 2:
+                raise _scheduler_error("max_model_len", self.max_model_len,
+                                       "must be >= 2 (one prompt token and one output token)")
+        # Below this, the requests past the budget would starve behind the ones before them.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise _scheduler_error(
+                "max_num_batched_tokens", self.max_num_batched_tokens,
+                f"must be >= max_num_seqs = {self.max_num_seqs}, so that every running "
+                "request can decode in each step")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Tensor, data and expert parallel sizes (`jaxinfer.engine.parallel` builds the meshes).
+
+    Attributes:
+        tensor_parallel_size: Devices one model's heads and MLP are split over.
+        data_parallel_size: Independent engine replicas.
+        expert_parallel_size: Devices a MoE model's experts are split over (within a replica).
+    """
+
+    tensor_parallel_size: int = dataclasses.field(
+        default=1, metadata=_help("devices one model is split over (heads, MLP, vocabulary)",
+                                  short="-tp"))
+    data_parallel_size: int = dataclasses.field(
+        default=1, metadata=_help("independent engine replicas, each on its own devices",
+                                  short="-dp"))
+    expert_parallel_size: int = dataclasses.field(
+        default=1, metadata=_help("devices a MoE model's experts are split over",
+                                  short="-ep"))
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
+            value = getattr(self, name)
+            if not _positive_int(value):
+                raise ParallelConfigError(f"{name} = {value!r}: must be an integer >= 1")
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices one replica's mesh holds: TP x EP."""
+        return self.tensor_parallel_size * self.expert_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Devices the whole engine uses: TP x EP x DP."""
+        return self.devices_per_replica * self.data_parallel_size
+
+    @property
+    def is_single_device(self) -> bool:
+        return self.world_size == 1
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Fails with a message when the model cannot be split as asked.
+
+        Raises:
+            ParallelConfigError: Heads, KV heads, MLP width or vocabulary not divisible by
+                the TP size; EP on a dense model or experts not divisible by the EP size.
+        """
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        for what, size in (("attention heads (num_heads)", config.num_heads),
+                           ("KV heads (num_kv_heads)", config.num_kv_heads),
+                           ("MLP width (intermediate_size)", config.intermediate_size),
+                           ("vocabulary (vocab_size)", config.vocab_size)):
+            if size % tp:
+                raise ParallelConfigError(
+                    f"tensor_parallel_size = {tp} does not divide the model's {size} {what}; "
+                    f"use a TP size that divides {math.gcd(config.num_heads, config.num_kv_heads)}"
+                    " (the KV heads bound it: each device keeps whole KV heads)")
+        if ep > 1:
+            if not config.is_moe:
+                raise ParallelConfigError(
+                    f"expert_parallel_size = {ep}, but the model has no experts (dense)")
+            if config.num_experts % ep:
+                raise ParallelConfigError(
+                    f"expert_parallel_size = {ep} does not divide the model's "
+                    f"{config.num_experts} experts")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """How the engine drafts tokens (`jaxinfer.engine.spec`).
+
+    Attributes:
+        method: "ngram" (prompt lookup) or "draft_model".
+        num_tokens: k, the most draft tokens verified per request and step.
+        max_ngram: Longest suffix prompt lookup tries to match.
+        min_ngram: Shortest suffix it tries before giving up (no drafts that step).
+        model: The drafter for "draft_model" (anything `load_model` takes, e.g.
+            "builtin:demo-draft"); it must share the target's tokenizer.
+    """
+
+    method: str
+    num_tokens: int
+    max_ngram: int = 3
+    min_ngram: int = 1
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method = {self.method!r}: must be one of "
+                             f"{SPECULATIVE_METHODS}")
+        for name in ("num_tokens", "max_ngram", "min_ngram"):
+            value = getattr(self, name)
+            if not _positive_int(value):
+                raise ValueError(f"speculative {name} = {value!r}: must be a positive integer")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"speculative min_ngram = {self.min_ngram} exceeds max_ngram = "
+                             f"{self.max_ngram}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative 'model' is required for method 'draft_model' and "
+                             f"only allowed there; got method {self.method!r}, model "
+                             f"{self.model!r}")
+
+    @classmethod
+    def parse(cls, options: SpeculativeConfig | Mapping[str, Any] | str | None
+              ) -> SpeculativeConfig | None:
+        """Accepts a config, a dict of its fields, that dict as JSON text (the flag's form),
+        or None.
+
+        Raises:
+            ValueError: Bad JSON, an unknown key or a bad value.
+        """
+        if options is None or isinstance(options, SpeculativeConfig):
+            return options
+        if isinstance(options, str):
+            try:
+                options = json.loads(options)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative = {options!r}: not JSON ({error})") from None
+            if not isinstance(options, dict):
+                raise ValueError(f"speculative = {options!r}: must be a JSON object")
+        fields = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(f"unknown speculative options {unknown}; valid: {sorted(fields)}")
+        return cls(**options)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """What the device step is compiled for.
+
+    Attributes:
+        min_token_bucket: The smallest padded token count of a step.
+        bucket_growth: Ratio of consecutive token and sequence buckets (2 pads least; 4
+            compiles fewer programs, so warm-up is faster).
+        enable_prompt_logprobs: Compile the step variant that can return prompt logprobs
+            (doubles warm-up); requests asking for them are rejected without it.
+    """
+
+    min_token_bucket: int = dataclasses.field(default=8,
+                                              metadata=_help("smallest token bucket"))
+    bucket_growth: int = dataclasses.field(
+        default=2, metadata=_help("ratio of consecutive buckets (larger: fewer programs to "
+                                  "compile, more padding)"))
+    enable_prompt_logprobs: bool = dataclasses.field(
+        default=True, metadata=_help("compile the prompt-logprobs step (doubles warm-up)",
+                                     alias="--prompt-logprobs"))
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.min_token_bucket):
+            raise ValueError(f"min_token_bucket = {self.min_token_bucket!r}: must be >= 1")
+        if not _positive_int(self.bucket_growth) or self.bucket_growth < 2:
+            raise ValueError(f"bucket_growth = {self.bucket_growth!r}: must be >= 2")
+
+
+# The parts, in the order the flags are listed; `speculative` is not a dataclass of flags but
+# one JSON option, handled apart.
+_PARTS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
+                           "parallel": ParallelConfig, "compile": CompileConfig}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """All engine options, one part per user.
+
+    Attributes:
+        cache: The paged KV cache.
+        scheduler: The step's token and sequence limits.
+        parallel: Tensor, data and expert parallel sizes.
+        speculative: Speculative decoding, as a `SpeculativeConfig` or a dict of its fields
+            (e.g. `{"method": "ngram", "num_tokens": 4, "max_ngram": 3}`); None turns it off.
+        compile: Bucketing and program variants of the device step.
+    """
+
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
+    compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """An EngineConfig from vLLM's flat option names (`max_num_seqs=32`, ...).
+
+        Raises:
+            ValueError: An unknown option (the valid ones are listed) or a bad value.
+        """
+        by_part: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
+        owner = option_owners()
+        speculative = options.pop("speculative", None) if "speculative" in options else None
+        unknown = sorted(name for name in options if name not in owner)
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; valid: "
+                             f"{sorted([*owner, 'speculative'])}")
+        for name, value in options.items():
+            by_part[owner[name]][name] = value
+        return cls(**{part: _PARTS[part](**fields) for part, fields in by_part.items()},
+                   speculative=speculative)
+
+    def options(self) -> dict[str, Any]:
+        """The flat options this config was made of (`from_options` inverts it)."""
+        flat: dict[str, Any] = {}
+        for part in _PARTS:
+            flat.update(dataclasses.asdict(getattr(self, part)))
+        flat["speculative"] = (None if self.speculative is None
+                               else dataclasses.asdict(self.speculative))
+        return flat
+
+    def replace(self, **options: Any) -> EngineConfig:
+        """A copy with some flat options changed."""
+        return EngineConfig.from_options(**{**self.options(), **options})
+
+    @property
+    def max_model_len(self) -> int:
+        """The resolved longest sequence (call `resolved` first)."""
+        if self.scheduler.max_model_len is None:
+            raise ValueError("max_model_len is not resolved yet (EngineConfig.resolved)")
+        return self.scheduler.max_model_len
+
+    @property
+    def num_pages(self) -> int:
+        """The resolved page count, the null page included (call `resolved` first)."""
+        if self.cache.num_pages is None:
+            raise ValueError("num_pages is not resolved yet (EngineConfig.resolved)")
+        return self.cache.num_pages
+
+    def resolved(self, model_max_len: int) -> EngineConfig:
+        """This config with the None sizes filled in for a model.
+
+        Raises:
+            SchedulerConfigError: The pool cannot hold one `max_model_len` sequence.
+        """
+        max_model_len = self.scheduler.max_model_len or model_max_len
+        pages_per_sequence = self.cache.pages_per_sequence(max_model_len)
+        num_pages = self.cache.num_pages or self.scheduler.max_num_seqs * pages_per_sequence + 1
+        if num_pages - 1 < pages_per_sequence:
+            # Otherwise a long request could wait forever for pages that never exist.
+            raise _scheduler_error(
+                "num_blocks", num_pages,
+                f"must be >= {pages_per_sequence + 1}: one max_model_len = {max_model_len} "
+                f"sequence needs {pages_per_sequence} blocks of {self.cache.page_size} tokens, "
+                "plus the null block")
+        return dataclasses.replace(
+            self, cache=dataclasses.replace(self.cache, num_pages=num_pages),
+            scheduler=dataclasses.replace(self.scheduler, max_model_len=max_model_len))
+
+
+def option_owners() -> dict[str, str]:
+    """{flat option name: the part that holds it}."""
+    return {field.name: part for part, cls in _PARTS.items()
+            for field in dataclasses.fields(cls)}
+
+
+# ---------------------------------------------------------------------- command-line flags
+
+# What a server (and the benchmarks that measure it) runs with where it differs from the
+# library's defaults: more sequences and a larger step budget for many clients, and coarser
+# buckets so that warm-up compiles fewer programs. `jaxinfer serve` and `jaxinfer bench` both
+# take these, so a benchmark measures what a server runs.
+SERVING_DEFAULTS: dict[str, Any] = {"max_num_seqs": 32, "max_num_batched_tokens": 512,
+                                    "min_token_bucket": 16, "bucket_growth": 4}
+
+
+def _flag_type(hint: Any) -> type:
+    """int, float, str or bool from a field's resolved type hint (`int | None` -> int)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser,
+                         defaults: Mapping[str, Any] | None = None) -> None:
+    """Adds one flag per engine option (`--max-num-seqs`, ...; vLLM's names), grouped by part.
+
+    Booleans get `--name` / `--no-name`. `--speculative` takes the SpeculativeConfig as JSON.
+
+    Args:
+        parser: The command's parser.
+        defaults: Option defaults that differ from the config classes' (e.g.
+            `SERVING_DEFAULTS`).
+    """
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - set(option_owners()) - {"speculative"})
+    if unknown:
+        raise ValueError(f"unknown engine options in defaults: {unknown}")
+    for part, cls in _PARTS.items():
+        group = parser.add_argument_group(f"engine: {part} ({cls.__name__})")
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            default = defaults.get(field.name, field.default)
+            flag = "--" + field.name.replace("_", "-")
+            names = [flag] + [field.metadata[key] for key in ("alias", "short")
+                              if key in field.metadata]
+            kind = _flag_type(hints[field.name])
+            text = field.metadata.get("help", "")
+            if "default" not in text:
+                text = f"{text} (default: {default})"
+            if kind is bool:
+                group.add_argument(*names, dest=field.name, default=default,
+                                   action=argparse.BooleanOptionalAction,
+                                   help=text)
+                continue
+            group.add_argument(*names, dest=field.name, type=kind, default=default,
+                               choices=field.metadata.get("choices"),
+                               help=text)
+    parser.add_argument_group("engine: speculative (SpeculativeConfig)").add_argument(
+        "--speculative", "--speculative-config", dest="speculative",
+        default=defaults.get("speculative"), type=_speculative_flag, metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
+             '\'{"method": "draft_model", "model": "builtin:demo-draft", "num_tokens": 4}\'')
+
+
+def _speculative_flag(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flat engine options a parser built by `add_engine_arguments` read."""
+    return {name: getattr(args, name) for name in [*option_owners(), "speculative"]}

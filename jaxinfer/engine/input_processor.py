@@ -1,0 +1,215 @@
+"""The one place a request is checked and turned into scheduler requests (vLLM's Processor).
+
+    processor = InputProcessor(model_config, config, tokenizer, speculative=True)
+    processed = processor.process("a", "The list type", SamplingParams(n=2))
+    # processed.samples: the scheduler requests "a#0", "a#1"
+
+It takes a prompt in any accepted form (text, token ids, or a dict with "prompt_token_ids"
+and/or "prompt"), tokenizes it, runs every check a request needs before it may be queued
+(token ids inside the vocabulary for the prompt, `stop_token_ids` and `logit_bias`; room for
+output within `max_model_len`; features the engine was built without), and fans a request with
+`n > 1` out into n scheduler requests with their own seeds. Every failure is a
+`jaxinfer.engine.errors.RequestError` naming the field, raised before anything is queued, so
+front ends map errors to their wire format without parsing messages and the requests already
+running never notice.
+
+It holds no engine state (only facts about the model and the engine's options), so it can run
+on any thread, before a request reaches the engine's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.errors import RequestError
+from jaxinfer.engine.host.request import Request
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.tokenizer import Tokenizer
+
+# What a request's prompt may be: text, token ids, or {"prompt_token_ids": [...], "prompt": ...}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The scheduler id of sample `index` of a request with `n` samples ("ID" or "ID#i")."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request's drafts can be verified exactly in one step: nothing it asks for
+    changes from one position to the next or needs per-token results."""
+    return (params.logprobs is None and params.prompt_logprobs is None
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0)
+
+
+@dataclasses.dataclass
+class ProcessedRequest:
+    """A checked request, ready to queue.
+
+    Attributes:
+        request_id: The user's id.
+        prompt: The prompt text, when it was given as text (or alongside its ids).
+        prompt_token_ids: The prompt's token ids.
+        params: The request's sampling parameters (n as asked).
+        samples: One scheduler request per sample, ids from `child_request_id`.
+        speculate: Whether the engine will propose drafts for it.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[Request]
+    speculate: bool
+
+
+class InputProcessor:
+    """Checks requests against one model and engine configuration.
+
+    Args:
+        model_config: The served model (vocabulary, EOS ids).
+        config: The engine's options, resolved (`EngineConfig.resolved`).
+        tokenizer: For text prompts and stop strings; None accepts token ids only.
+        speculative: Whether the engine proposes drafts at all.
+    """
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig,
+                 tokenizer: Tokenizer | None, *, speculative: bool = False) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.speculative = speculative
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def process(self, request_id: str, prompt: Prompt,
+                sampling_params: SamplingParams | None = None, *,
+                cache_salt: str | None = None, speculative: bool = True) -> ProcessedRequest:
+        """Checks one request and builds its scheduler requests.
+
+        Args:
+            request_id: The user's id (uniqueness is the engine's to check).
+            prompt: Text (BOS is added as the tokenizer does), token ids, or a dict with
+                "prompt_token_ids" and optionally the "prompt" text they came from (e.g. a
+                rendered chat), or with "prompt" only.
+            sampling_params: None is `SamplingParams()`.
+            cache_salt: Keeps this request's prefix-cache blocks apart from other salts.
+            speculative: False opts the request out of speculative decoding.
+
+        Raises:
+            RequestError: The field at fault is named; see the module docstring.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError("request_id", f"request id {request_id!r}: must be a "
+                                             "non-empty string")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params", f"request {request_id!r}: sampling_params "
+                               f"must be a SamplingParams, not {type(params).__name__}")
+        text, token_ids = self.tokenize(request_id, prompt)
+        self.validate(request_id, token_ids, params)
+        speculate = speculative and self.speculative and can_speculate(params)
+        return ProcessedRequest(request_id, text, token_ids, params,
+                                self.fan_out(request_id, token_ids, params, cache_salt,
+                                             speculate), speculate)
+
+    # ------------------------------------------------------------------ pieces
+
+    def tokenize(self, request_id: str, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of any accepted prompt form.
+
+        Raises:
+            RequestError: On "prompt": a malformed prompt, or text without a tokenizer.
+        """
+        if isinstance(prompt, Mapping):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or ("prompt" not in prompt and "prompt_token_ids" not in prompt):
+                raise RequestError("prompt", f"request {request_id!r}: a prompt dict takes "
+                                   "'prompt' (text) and/or 'prompt_token_ids', got keys "
+                                   f"{sorted(prompt)}")
+            if "prompt_token_ids" not in prompt:
+                return self.tokenize(request_id, prompt["prompt"])
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise RequestError("prompt", f"request {request_id!r}: 'prompt' must be text")
+            return text, self.tokenize(request_id, prompt["prompt_token_ids"])[1]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt", f"request {request_id!r}: a text prompt needs a "
+                                   "tokenizer; this engine has none, pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        try:
+            if isinstance(prompt, bytes) or any(isinstance(token, bool | float)
+                                                for token in prompt):
+                raise TypeError
+            token_ids = [int(token) for token in prompt]
+        except (TypeError, ValueError):
+            raise RequestError("prompt", f"request {request_id!r}: the prompt must be a "
+                               "string or a list of token ids") from None
+        return None, token_ids
+
+    def check_token_ids(self, request_id: str, field: str, what: str,
+                        token_ids: Iterable[int]) -> None:
+        """The vocabulary check, written once: every id in [0, vocab_size).
+
+        Raises:
+            RequestError: On `field`, listing up to five ids outside the vocabulary.
+        """
+        vocab = self.vocab_size
+        bad = [token for token in token_ids if not 0 <= token < vocab]
+        if bad:
+            raise RequestError(field, f"request {request_id!r}: {what} {bad[:5]} are outside "
+                                      f"the vocabulary [0, {vocab})")
+
+    def validate(self, request_id: str, token_ids: Sequence[int],
+                 params: SamplingParams) -> None:
+        """Every check of a tokenized request against this model and engine.
+
+        Raises:
+            RequestError: The field at fault is named.
+        """
+        if not token_ids:
+            raise RequestError("prompt", f"request {request_id!r}: the prompt must hold at "
+                                         "least one token")
+        self.check_token_ids(request_id, "prompt", "prompt token ids", token_ids)
+        self.check_token_ids(request_id, "stop_token_ids", "stop_token_ids",
+                             params.stop_token_ids or ())
+        self.check_token_ids(request_id, "logit_bias", "logit_bias token ids",
+                             (params.logit_bias or {}).keys())
+        max_model_len = self.config.max_model_len
+        if len(token_ids) >= max_model_len:
+            raise RequestError("prompt", f"request {request_id!r}: prompt of {len(token_ids)} "
+                               f"tokens leaves no room for output within max_model_len = "
+                               f"{max_model_len}")
+        if params.prompt_logprobs is not None and not self.config.compile.enable_prompt_logprobs:
+            raise RequestError("prompt_logprobs", f"request {request_id!r}: prompt_logprobs "
+                               "needs an engine built with enable_prompt_logprobs=True")
+        if params.stop_strings and self.tokenizer is None:
+            raise RequestError("stop", f"request {request_id!r}: stop strings need a "
+                               "tokenizer; this engine has none (use stop_token_ids)")
+
+    def fan_out(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                cache_salt: str | None, speculate: bool) -> list[Request]:
+        """One scheduler request per sample.
+
+        vLLM's rule: sample i of a seeded request uses seed + i, so the samples differ from
+        each other yet each is reproducible.
+        """
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        stop_ids = tuple(dict.fromkeys((*eos, *(params.stop_token_ids or ()))))
+        samples = []
+        for index in range(params.n):
+            sample_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index)
+            samples.append(Request(
+                child_request_id(request_id, index, params.n), token_ids, sample_params,
+                max_tokens=params.max_tokens, eos_token_ids=stop_ids, cache_salt=cache_salt,
+                skip_prefix_cache=params.prompt_logprobs is not None, speculate=speculate))
+        return samples
