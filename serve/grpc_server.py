@@ -295,7 +295,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """The served model's name and limits."""
         async with _status_errors(context):
             self._frontend.authorize(context)
-            engine = self._service.engine.engine
+            engine = self._service.engine
             tokenizer = self._service.tokenizer
             response = pb.ModelInfoResponse(
                 name=self._service.model_name, max_model_len=self._service.max_model_len,

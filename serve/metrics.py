@@ -4,10 +4,11 @@ Names follow vLLM's (`vllm:` becomes `jaxinfer:`), so existing dashboards need o
 prefix changed. Each `ServingMetrics` owns its own `CollectorRegistry`: two servers in one
 process (the tests start several) never share counters. Gauges that mirror the engine (running
 and waiting requests, KV-cache usage, prefix-cache hit rate, preemptions) are read from
-`AsyncEngine.stats()` when `/metrics` is scraped, not pushed on every step; so are the
-speculative-decoding totals (vLLM's `spec_decode_num_drafts`, `..._num_draft_tokens`,
-`..._num_accepted_tokens`, exposed as gauges mirroring the engine's counters) and the
-acceptance rate and mean accepted length derived from them.
+`AsyncEngine.stats()` (a snapshot at most one engine step old, read without waiting) when
+`/metrics` is scraped, not pushed on every step; so are the speculative-decoding totals
+(vLLM's `spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`, exposed
+as gauges mirroring the engine's counters) and the acceptance rate and mean accepted length
+derived from them.
 """
 
 from __future__ import annotations

@@ -105,17 +105,17 @@ class InferenceService:
     @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer (None for a token-ids-only model)."""
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
         """Longest sequence (prompt + output) the engine serves."""
-        return self.engine.engine.config.max_model_len
+        return self.engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
         """Token ids are in [0, vocab_size)."""
-        return self.engine.engine.model_config.vocab_size
+        return self.engine.model_config.vocab_size
 
     @property
     def ready(self) -> bool:

@@ -1,4 +1,4 @@
-"""The engine for servers: its loop runs in one background thread; asyncio code talks to it.
+"""The engine for servers: one background thread owns it; asyncio code sends it commands.
 
     engine = AsyncEngine(load_engine("builtin:demo", max_num_seqs=32))
     engine.start()                     # compiles (warm-up), then serves
@@ -7,26 +7,45 @@
     await engine.abort(request_id)     # or just stop iterating: that aborts too
     engine.shutdown()
 
-One thread owns the `Engine` and calls `step()` while any request is unfinished, and sleeps
-otherwise; requests are added and aborted under the same lock, between steps. Each
-`generate` call gets an `asyncio.Queue` on its own event loop, fed with
-`loop.call_soon_threadsafe`, so any number of coroutines (one per HTTP or gRPC request) wait
-without blocking the loop. A bad request raises `ValueError` from `generate` before anything
-is queued and every other request carries on; an error inside the engine step itself is
-raised in every open stream and leaves the engine `errored` (a server's health check).
+Only the engine thread touches the `Engine` (or `DataParallelEngine`). Adding and aborting a
+request are commands put on a thread-safe queue; the thread applies every queued command
+between two steps, in the order they were issued (so an abort issued after an add of the same
+id applies after it), and answers each through a `concurrent.futures.Future` that the caller
+awaits with `asyncio.wrap_future`. No lock is held across a step, so a slow device step never
+stalls the event loop: a command issued during a step simply completes after it. When no
+request is unfinished the thread blocks on the queue, so a command wakes it at once.
+
+After every step and every batch of commands the thread publishes an immutable `EngineStats`
+snapshot; `stats()` returns the latest one without waiting, at most one step old.
+
+Each `generate` call gets an `asyncio.Queue` on its own event loop, fed with
+`loop.call_soon_threadsafe` in step order, so any number of coroutines (one per HTTP or gRPC
+request) wait without blocking the loop. A bad request raises `ValueError` from `generate`
+before anything is yielded or queued and every other request carries on; an error inside the
+engine loop itself is raised in every open stream and leaves the engine `errored` (a server's
+health check).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import functools
 import itertools
+import queue
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
-from jaxinfer.engine.core import Engine, EngineStats, Prompt
+from jaxinfer.engine.core import Engine, EngineConfig, EngineStats, Prompt
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.data_parallel import DataParallelEngine
+    from jaxinfer.tokenizer import Tokenizer
 
 
 class EngineDeadError(RuntimeError):
@@ -49,23 +68,55 @@ class _Stream:
         return True
 
 
+class _Command:
+    """A call for the engine thread to make between steps, and the future of its result."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def apply(self) -> None:
+        """Runs the call (unless the caller cancelled it first) and settles the future."""
+        if not self.future.set_running_or_notify_cancel():
+            return  # the caller gave up while it waited in the queue: it never happened
+        try:
+            result = self.call()
+        except Exception as error:  # the caller's error (e.g. ValueError), not the engine's
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
+def _may_have_been_added(future: concurrent.futures.Future[Any]) -> bool:
+    """Whether the add command behind `future` ran, or still may, with success."""
+    if not future.done():
+        return True
+    return not future.cancelled() and future.exception() is None
+
+
 class AsyncEngine:
     """Runs an `Engine` in a background thread and serves asyncio callers.
 
     Args:
-        engine: The engine to drive; this object owns it from now on.
+        engine: The engine to drive (an `Engine` or a `DataParallelEngine`); this object
+            owns it from now on: once started, only the engine thread touches it.
         warm_up: Compile every step shape in `start()`, before serving.
-        idle_wait_seconds: Longest sleep of the idle loop between checks.
+        idle_wait_seconds: Longest block of the idle loop on the command queue before it
+            checks again for shutdown (a command wakes it at once).
     """
 
-    def __init__(self, engine: Engine, *, warm_up: bool = True,
+    def __init__(self, engine: Engine | DataParallelEngine, *, warm_up: bool = True,
                  idle_wait_seconds: float = 0.5) -> None:
         self.engine = engine
         self._warm_up = warm_up
         self._idle_wait_seconds = idle_wait_seconds
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        # Makes "not closed, so queue it" atomic against the thread closing the queue; held
+        # only for that check and put, never across a step.
+        self._submit_lock = threading.Lock()
+        self._closed = False
+        self._streams: dict[str, _Stream] = {}  # read by other threads only for its length
+        self._snapshot: EngineStats = engine.stats()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -80,6 +131,30 @@ class AsyncEngine:
 
         return cls(load_engine(model, **options), warm_up=warm_up)
 
+    # ------------------------------------------------------------------ facts
+
+    # Fixed when the engine is built, so any thread may read them while the engine steps.
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer (None for a token-ids-only model)."""
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's config (vocab_size, eos_token_ids, ...)."""
+        return self.engine.model_config
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's resolved config (max_num_seqs, num_pages, ...)."""
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) the engine serves."""
+        return self.engine.config.max_model_len
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
@@ -88,16 +163,22 @@ class AsyncEngine:
             return
         if self._warm_up:
             self.warm_up_seconds = self.engine.warm_up()
+            self._snapshot = self.engine.stats()
         self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
-        """Stops the thread; open streams end with EngineDeadError."""
+        """Stops the thread after its current step; open streams end with EngineDeadError.
+
+        Commands still queued then are answered as on a stopped engine: adds raise
+        EngineDeadError, aborts return False once the request is gone.
+        """
         self._stopping = True
-        self._wake.set()
+        self._commands.put(None)  # wakes an idle thread
         if self._thread is not None:
             self._thread.join()
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        else:
+            self._close(EngineDeadError("the engine was shut down"))
 
     @property
     def is_running(self) -> bool:
@@ -112,13 +193,17 @@ class AsyncEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        """Requests being served now."""
+        """Requests being served now (added and neither finished nor aborted)."""
         return len(self._streams)
 
     def stats(self) -> EngineStats:
-        """The engine's `stats()`, taken between steps."""
-        with self._lock:
-            return self.engine.stats()
+        """The engine's stats as of its last step or command; never waits.
+
+        The engine thread publishes a fresh snapshot after every step and every batch of
+        commands, so during a step this describes the state the step started from: it is at
+        most one step old.
+        """
+        return self._snapshot
 
     # ------------------------------------------------------------------ requests
 
@@ -127,8 +212,9 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Serves one request; yields its cumulative output after every step that changes it.
 
-        Leaving the `async for` early (a client disconnect, a cancelled task) aborts the
-        request and frees its pages.
+        The request is added between two engine steps, so the first `__anext__` may wait for
+        the step in progress. Leaving the `async for` early (a client disconnect, a
+        cancelled task) aborts the request and frees its pages before the iterator closes.
 
         Args:
             prompt: Text, token ids or a `{"prompt_token_ids": [...]}` dict.
@@ -137,23 +223,22 @@ class AsyncEngine:
             cache_salt: Keeps the request's prefix-cache blocks apart from other salts.
 
         Raises:
-            ValueError: An invalid request (nothing is queued; others carry on).
+            ValueError: An invalid request, raised before anything is yielded (nothing is
+                queued; others carry on).
             EngineDeadError: The engine is not running.
         """
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}"
-                                  if self.error else "the engine is not running (start() it)")
+            raise EngineDeadError(self._dead_message())
         if request_id is None:
             request_id = f"request-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
-            self._streams[request_id] = stream
-        self._wake.set()
+        added = self._submit(functools.partial(
+            self._add_now, request_id, prompt, sampling_params, cache_salt, stream))
+        if added is None:
+            raise EngineDeadError(self._dead_message())
         finished = False
         try:
+            await asyncio.wrap_future(added)  # raises the engine's ValueError
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -161,56 +246,114 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:
-                self._abort_now(request_id)
+            if not finished and _may_have_been_added(added):
+                # Queued after the add, so it applies after it; `stream` keeps it from
+                # aborting another request that holds the id (when this add was refused).
+                aborted = self._submit(functools.partial(self._abort_now, request_id, stream))
+                if aborted is not None:
+                    await asyncio.shield(asyncio.wrap_future(aborted))
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a request; its stream yields a last output with finish_reason "abort".
 
+        The abort applies between steps, after every command issued before it (an add of the
+        same id included). Cancelling the caller does not withdraw it.
+
         Returns:
             False if the request was not running.
         """
-        return self._abort_now(request_id)
+        aborted = self._submit(functools.partial(self._abort_now, request_id, None))
+        if aborted is None:
+            return False  # the engine is stopped: nothing is running
+        return await asyncio.shield(asyncio.wrap_future(aborted))
 
-    def _abort_now(self, request_id: str) -> bool:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-            output = self.engine.abort_request(request_id)
+    def _submit(self, call: Callable[[], Any]) -> concurrent.futures.Future[Any] | None:
+        """Queues `call` for the engine thread; None if the engine no longer takes commands."""
+        command = _Command(call)
+        with self._submit_lock:
+            if self._closed:
+                return None
+            self._commands.put(command)
+        return command.future
+
+    def _dead_message(self) -> str:
+        if self.error is not None:
+            return f"the engine is not running: {self.error!r}"
+        if self._stopping:
+            return "the engine is not running (it was shut down)"
+        return "the engine is not running (start() it)"
+
+    # ------------------------------------------------------------------ the thread
+
+    def _add_now(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None,
+                 cache_salt: str | None, stream: _Stream) -> None:
+        if self._closed:
+            raise EngineDeadError(self._dead_message())
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
+        self._streams[request_id] = stream
+
+    def _abort_now(self, request_id: str, stream: _Stream | None = None) -> bool:
+        """Aborts `request_id` (only if it is served to `stream`, when one is given)."""
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return False
+        stream = self._streams.pop(request_id, None)
+        output = self.engine.abort_request(request_id)
         if stream is not None and output is not None:
             output.finished = True
             stream.put(output)
         return output is not None
 
-    # ------------------------------------------------------------------ the thread
-
     def _loop(self) -> None:
-        while not self._stopping:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-            if not busy:
-                self._wake.wait(self._idle_wait_seconds)
-                self._wake.clear()
-                continue
-            try:
-                with self._lock:
-                    outputs = self.engine.step()
-                    streams = [(self._streams.get(output.request_id), output)
-                               for output in outputs]
-                    for output in outputs:
-                        if output.finished:
-                            self._streams.pop(output.request_id, None)
-            except Exception as error:  # a device or engine bug: nothing can continue
-                self.error = error
-                self._fail_all(EngineDeadError(f"the engine step failed: {error!r}"))
-                return
-            for stream, output in streams:
-                if stream is not None and not stream.put(output):
-                    self._abort_now(output.request_id)  # nobody is listening any more
+        try:
+            while not self._stopping:
+                if self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                    self._snapshot = self.engine.stats()
+                if self._stopping or not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                for output in outputs:
+                    stream = (self._streams.pop(output.request_id, None) if output.finished
+                              else self._streams.get(output.request_id))
+                    if stream is not None and not stream.put(output):
+                        self._abort_now(output.request_id)  # nobody is listening any more
+                self._snapshot = self.engine.stats()
+        except Exception as error:  # a device or engine bug: nothing can continue
+            self.error = error
+            self._close(EngineDeadError(f"the engine step failed: {error!r}"))
+        else:
+            self._close(EngineDeadError("the engine was shut down"))
 
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            streams, self._streams = self._streams, {}
-            for request_id in streams:
+    def _apply_commands(self, *, block: bool) -> bool:
+        """Applies the queued commands, in order; True if there were any.
+
+        Takes only those queued when it starts, so a flood of commands cannot starve the
+        steps. With `block`, waits (up to `idle_wait_seconds`) for the first one.
+        """
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=self._idle_wait_seconds))
+            except queue.Empty:
+                return False
+        for _ in range(self._commands.qsize()):  # only this thread takes from the queue
+            commands.append(self._commands.get_nowait())
+        for command in commands:
+            if command is not None:  # None only wakes the thread (shutdown)
+                command.apply()
+        return bool(commands)
+
+    def _close(self, error: EngineDeadError) -> None:
+        """Stops taking commands, answers those left, ends every open stream with `error`."""
+        with self._submit_lock:
+            self._closed = True
+        self._apply_commands(block=False)  # adds now raise EngineDeadError; aborts still work
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            # A broken engine may fail to free the pages; the streams must end all the same.
+            with contextlib.suppress(Exception):
                 self.engine.abort_request(request_id)
-        for stream in streams.values():
             stream.put(error)
+        with contextlib.suppress(Exception):  # a broken engine keeps its last snapshot
+            self._snapshot = self.engine.stats()
