@@ -13,8 +13,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two workers, each taking whole test files (module fixtures such as a started server are
-# made once): about 25% faster than one on a 2-core machine.
+# made once): about 25% faster than one on a 2-core machine. The import rules (pyproject's
+# [tool.importlinter]) are checked first: a second.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not tpu and not gpu" --durations=25
 
 test-slow: $(STAMP)
@@ -22,9 +24,10 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-logo
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache
+	rm -rf $(VENV) .demo .pytest_cache .import_linter_cache

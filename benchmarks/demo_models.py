@@ -33,7 +33,7 @@ from train_distill.data import pack
 
 
 def score_windows(model, windows: np.ndarray, batch_size: int = 8) -> tuple[np.ndarray, ...]:
-    """Next-token NLL and argmax at every position of `[W, L + 1]` windows, `[W, L]` each.
+    """Next-token NLL and argmax at every position of `[W, T + 1]` windows, `[W, T]` each.
 
     The forward pass is traced here, so a `jaxinfer.quant.simulate` block around the call
     applies its activation and K/V quantization.
@@ -42,14 +42,14 @@ def score_windows(model, windows: np.ndarray, batch_size: int = 8) -> tuple[np.n
 
     @jax.jit
     def forward(state, inputs, targets):
-        logits, _ = nnx.merge(graphdef, state)(inputs)  # [B, L, V]
-        log_probs = jax.nn.log_softmax(logits, axis=-1)  # [B, L, V]
+        logits, _ = nnx.merge(graphdef, state)(inputs)  # [B, T, V]
+        log_probs = jax.nn.log_softmax(logits, axis=-1)  # [B, T, V]
         picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-        return -picked, jnp.argmax(logits, axis=-1)  # [B, L], [B, L]
+        return -picked, jnp.argmax(logits, axis=-1)  # [B, T], [B, T]
 
     losses, argmaxes = [], []
     for start in range(0, len(windows), batch_size):
-        batch = jnp.asarray(windows[start:start + batch_size])  # [B, L + 1]
+        batch = jnp.asarray(windows[start:start + batch_size])  # [B, T + 1]
         loss, argmax = forward(state, batch[:, :-1], batch[:, 1:])
         losses.append(np.asarray(loss))
         argmaxes.append(np.asarray(argmax))

@@ -37,7 +37,7 @@ from pallas_kernels.moe import grouped_matmul
 from pallas_kernels.quant_matmul import quantize_weight, quantized_matmul
 from pallas_kernels.ragged_paged_attention import quantize_kv_rows, ragged_paged_attention
 
-_REFERENCE_GATHER_LIMIT = 1 << 30  # bytes of the reference's [T, L, 2K, H] gather
+_REFERENCE_GATHER_LIMIT = 1 << 30  # bytes of the reference's [T, S, 2K, H] gather
 
 
 @dataclasses.dataclass
@@ -66,11 +66,11 @@ def _time(function: Callable[[], jax.Array], repeats: int) -> float:
 def measure_machine(quick: bool) -> tuple[float, float]:
     """`(GB/s, GFLOP/s)`: a large f32 reduction's read rate and a square f32 matmul's rate."""
     elements = (64 if quick else 256) << 20
-    data = jnp.ones((elements,), jnp.float32)  # [E]
+    data = jnp.ones((elements,), jnp.float32)  # [elements]
     reduce = jax.jit(jnp.sum)
     bandwidth = 4 * elements / (_time(lambda: reduce(data), 5) * 1e-3) / 1e9
     size = 2048 if quick else 4096
-    a = jnp.ones((size, size), jnp.float32)  # [n, n]
+    a = jnp.ones((size, size), jnp.float32)  # [size, size]
     matmul = jax.jit(lambda x, y: x @ y)
     rate = 2 * size ** 3 / (_time(lambda: matmul(a, a), 3) * 1e-3) / 1e9
     return bandwidth, rate
@@ -154,7 +154,7 @@ def quant_matmul_rows(quick: bool, dtype, repeats: int) -> list[Row]:
     dense = jax.jit(lambda a, w: a @ w)
     rows = []
     for tokens in (1, 16, 256):
-        x = jnp.asarray(rng.standard_normal((tokens, features), np.float32), dtype)  # [M, K]
+        x = jnp.asarray(rng.standard_normal((tokens, features), np.float32), dtype)  # [T, I]
         flops = 2 * tokens * features * features
         io_bytes = 2 * tokens * features * jnp.dtype(dtype).itemsize
         rows.append(Row("matmul (float weights)", f"M={tokens} K=N={features}", "xla",

@@ -61,7 +61,7 @@ def step_times(config_paths: dict[str, str], batch: np.ndarray, repeats: int) ->
         optimizer = build_optimizer(config.optimizer, config.run.total_steps)
 
         def loss(params, batch, graphdef=graphdef):
-            logits, _ = nnx.merge(graphdef, params)(batch[:, :-1])  # [B, L, V]
+            logits, _ = nnx.merge(graphdef, params)(batch[:, :-1])  # [B, T, V]
             return cross_entropy(logits, batch[:, 1:], jnp.ones(batch[:, 1:].shape))
 
         def step(params, opt_state, batch, loss=loss, optimizer=optimizer):
@@ -101,8 +101,8 @@ def main() -> int:
     args = parser.parse_args()
 
     windows = pack(np.load(Path(args.tokens) / "validation.npy").astype(np.int32),
-                   args.sequence_length)[: args.max_windows]  # [W, L + 1]
-    kurtosis_tokens = jnp.asarray(windows[: args.kurtosis_windows, :-1])  # [Wk, L]
+                   args.sequence_length)[: args.max_windows]  # [W, T + 1]
+    kurtosis_tokens = jnp.asarray(windows[: args.kurtosis_windows, :-1])  # [Wk, T]
     runs = {"adam": Path(args.adam), "osp": Path(args.osp)}
     results = {}
     for name, run in runs.items():

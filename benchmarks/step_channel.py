@@ -29,7 +29,7 @@ import numpy as np
 
 
 def payload(step: int) -> dict[str, np.ndarray]:
-    """A decode step's packed inputs, ~10 KB: [T] = 384 tokens, [S] = 32 sequences, and a
+    """A decode step's packed inputs, ~10 KB: [T] = 384 tokens, [Q] = 32 sequences, and a
     send time stamp (monotonic ns mod 2^31; the clock is the same for all local processes)."""
     tokens, seqs, pages = 384, 32, 32
     rng = np.random.default_rng(step)

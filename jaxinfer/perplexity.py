@@ -66,26 +66,26 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int
 
 
 def paged_logits(model: Transformer, inputs: jax.Array, kv_cache_dtype: str) -> jax.Array:
-    """`[B, L, V]` logits of `[B, L]` windows run as one ragged prefill of B sequences over a
+    """`[B, T, V]` logits of `[B, T]` windows run as one ragged prefill of B sequences over a
     fresh paged cache of `kv_cache_dtype` (page 0 is the null page, as in the engine)."""
     rows, length = inputs.shape
     pages_per_row = -(-length // PAGE_SIZE)
-    offsets = jnp.arange(length, dtype=jnp.int32)  # [L]
+    offsets = jnp.arange(length, dtype=jnp.int32)  # [T]
     first_page = 1 + pages_per_row * jnp.arange(rows, dtype=jnp.int32)  # [B]
     page_indices = first_page[:, None] + jnp.arange(pages_per_row, dtype=jnp.int32)  # [B, P/B]
     slots = ((first_page[:, None] + offsets[None, :] // PAGE_SIZE) * PAGE_SIZE
-             + offsets[None, :] % PAGE_SIZE)  # [B, L]
+             + offsets[None, :] % PAGE_SIZE)  # [B, T]
     batch = PagedBatch(
-        slot_mapping=slots.reshape(-1),  # [B * L]
+        slot_mapping=slots.reshape(-1),  # [B * T]
         kv_lens=jnp.full((rows,), length, jnp.int32),  # [B]
         page_indices=page_indices,
         cu_q_lens=length * jnp.arange(rows + 1, dtype=jnp.int32),  # [B + 1]
         num_seqs=jnp.asarray([rows], jnp.int32))
     cache = PagedKVCache.create(model.config, 1 + rows * pages_per_row, PAGE_SIZE, batch,
                                 dtype=kv_cache_dtype)
-    positions = jnp.tile(offsets, rows)[None]  # [1, B * L]
-    hidden, _ = model.hidden_states(inputs.reshape(1, -1), positions, cache)  # [1, B*L, D]
-    return model.logits(hidden).reshape(rows, length, -1)  # [B, L, V]
+    positions = jnp.tile(offsets, rows)[None]  # [1, B * T]
+    hidden, _ = model.hidden_states(inputs.reshape(1, -1), positions, cache)  # [1, B*T, D]
+    return model.logits(hidden).reshape(rows, length, -1)  # [B, T, V]
 
 
 def perplexity(model: Transformer, token_ids: Sequence[int] | np.ndarray, *, window: int = 256,
@@ -108,13 +108,13 @@ def perplexity(model: Transformer, token_ids: Sequence[int] | np.ndarray, *, win
     Raises:
         ValueError: Fewer than two tokens, or a bad window/stride.
     """
-    ids = np.asarray(token_ids, np.int32)  # [N]
+    ids = np.asarray(token_ids, np.int32)  # [len(token_ids)]
     if ids.size < 2:
         raise ValueError(f"perplexity needs at least 2 tokens, got {ids.size}")
     spans = sliding_windows(ids.size, window, stride or window)
-    inputs = np.zeros((len(spans), window), np.int32)  # [W, L]
-    targets = np.zeros((len(spans), window), np.int32)  # [W, L]; position j predicts j + 1
-    weights = np.zeros((len(spans), window), np.float32)  # [W, L]; 1 where scored
+    inputs = np.zeros((len(spans), window), np.int32)  # [W, T]
+    targets = np.zeros((len(spans), window), np.int32)  # [W, T]; position j predicts j + 1
+    weights = np.zeros((len(spans), window), np.float32)  # [W, T]; 1 where scored
     for row, (begin, end, score_from) in enumerate(spans):
         inputs[row, :end - 1 - begin] = ids[begin:end - 1]
         targets[row, :end - 1 - begin] = ids[begin + 1:end]
@@ -132,11 +132,11 @@ def perplexity(model: Transformer, token_ids: Sequence[int] | np.ndarray, *, win
         # Right padding needs no mask: no real token attends to a later position.
         model = nnx.merge(graphdef, state)
         if kv_cache_dtype is None:
-            logits, _ = model(inputs)  # [B, L, V]
+            logits, _ = model(inputs)  # [B, T, V]
         else:
-            logits = paged_logits(model, inputs, kv_cache_dtype)  # [B, L, V]
-        log_probs = jax.nn.log_softmax(logits, axis=-1)  # [B, L, V]
-        picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]  # [B, L]
+            logits = paged_logits(model, inputs, kv_cache_dtype)  # [B, T, V]
+        log_probs = jax.nn.log_softmax(logits, axis=-1)  # [B, T, V]
+        picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]  # [B, T]
         return -jnp.sum(picked * weights)
 
     total = 0.0

@@ -81,7 +81,7 @@ class PackedLoader:
                  state: LoaderState | None = None) -> None:
         if batch_size > len(windows):
             raise ValueError(f"batch_size {batch_size} exceeds the {len(windows)} windows")
-        self.windows = windows  # [W, L + 1]
+        self.windows = windows  # [W, T + 1]
         self.batch_size = batch_size
         self.seed = seed
         self.state = state or LoaderState()
@@ -91,7 +91,7 @@ class PackedLoader:
         return np.random.default_rng((self.seed, epoch)).permutation(len(self.windows))
 
     def next_batch(self) -> np.ndarray:
-        """The next `[B, L + 1]` int32 batch; an epoch's ragged tail is skipped."""
+        """The next `[B, T + 1]` int32 batch; an epoch's ragged tail is skipped."""
         if self.state.index + self.batch_size > len(self.windows):
             self.state = LoaderState(self.state.epoch + 1, 0)
             self._order = self._permutation(self.state.epoch)

@@ -35,25 +35,25 @@ MUON_UPDATE_RMS = 0.2
 
 def newton_schulz5(matrix: jax.Array, steps: int = 5,
                    dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
-    """Approximately orthogonalizes `[..., R, C]` matrices (singular values to ~[0.7, 1.2]).
+    """Approximately orthogonalizes `[..., I, O]` matrices (singular values to ~[0.7, 1.2]).
 
     Args:
-        matrix: `[..., R, C]`; leading axes are independent matrices.
+        matrix: `[..., I, O]`; leading axes are independent matrices.
         steps: Newton-Schulz iterations.
         dtype: The dtype the iterations run in (bfloat16 as in the paper; float32 for tests).
 
     Returns:
-        `[..., R, C]` float32.
+        `[..., I, O]` float32.
     """
     a, b, c = NS_COEFFICIENTS
     transposed = matrix.shape[-2] > matrix.shape[-1]
-    x = matrix.astype(jnp.float32)  # [..., R, C]
+    x = matrix.astype(jnp.float32)  # [..., I, O]
     if transposed:  # iterate on the wide side: X X^T is then the smaller Gram matrix
         x = jnp.swapaxes(x, -1, -2)
     norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))  # [..., 1, 1]
     x = (x / (norm + 1e-8)).astype(dtype)
     for _ in range(steps):
-        gram = x @ jnp.swapaxes(x, -1, -2)  # [..., R', R']
+        gram = x @ jnp.swapaxes(x, -1, -2)  # [..., min(I, O), min(I, O)]
         x = a * x + (b * gram + c * gram @ gram) @ x
     x = x.astype(jnp.float32)
     return jnp.swapaxes(x, -1, -2) if transposed else x
@@ -66,13 +66,13 @@ def _names(path: tuple[Any, ...]) -> list[str]:
 
 
 def matrix_view(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The `[..., R, C]` shape a leaf is orthogonalized as (see the module docstring)."""
+    """The `[..., I, O]` shape a leaf is orthogonalized as (see the module docstring)."""
     name = _names(path)[-1] if _names(path) else ""
     if len(shape) == 3 and name in ("q_proj", "k_proj", "v_proj"):
         return (shape[0], shape[1] * shape[2])  # [D, N * H]
     if len(shape) == 3 and name == "o_proj":
         return (shape[0] * shape[1], shape[2])  # [N * H, D]
-    return shape  # 2-D matrices, and [E, R, C] expert stacks
+    return shape  # 2-D matrices, and [E, I, O] expert stacks
 
 
 def osp_label(path: tuple[Any, ...], leaf: jax.Array) -> str:
@@ -115,7 +115,7 @@ def scale_by_muon(beta: float = 0.95, ns_steps: int = 5,
         def orthogonalize(path: tuple[Any, ...], u: jax.Array, g: jax.Array) -> jax.Array:
             view = matrix_view(path, u.shape)
             rows, cols = view[-2], view[-1]
-            o = newton_schulz5(u.reshape(view), ns_steps, ns_dtype)  # [..., R, C]
+            o = newton_schulz5(u.reshape(view), ns_steps, ns_dtype)  # [..., I, O]
             scale = math.sqrt(max(rows, cols)) * MUON_UPDATE_RMS
             return (o * scale).reshape(u.shape).astype(g.dtype)
 

@@ -49,12 +49,12 @@ def _statistics(model: Transformer, token_ids: jax.Array) -> dict[str, jax.Array
                                  token_ids.shape)  # [B, T]
     states: list[jax.Array] = []
     model.hidden_states(token_ids, positions, intermediates=states)
-    stacked = jnp.stack(states).astype(jnp.float32)  # [S, B, T, D], S = L + 2
-    kurtosis = excess_kurtosis(stacked)  # [S, B, T]
-    rms = jnp.sqrt(jnp.mean(jnp.square(stacked), axis=(1, 2, 3)))  # [S]
-    peak = jnp.max(jnp.abs(stacked), axis=(1, 2, 3))  # [S]
-    return {"kurtosis_per_state": jnp.mean(kurtosis, axis=(1, 2)),  # [S]
-            "max_over_rms_per_state": peak / rms}  # [S]
+    stacked = jnp.stack(states).astype(jnp.float32)  # [L + 2, B, T, D]
+    kurtosis = excess_kurtosis(stacked)  # [L + 2, B, T]
+    rms = jnp.sqrt(jnp.mean(jnp.square(stacked), axis=(1, 2, 3)))  # [L + 2]
+    peak = jnp.max(jnp.abs(stacked), axis=(1, 2, 3))  # [L + 2]
+    return {"kurtosis_per_state": jnp.mean(kurtosis, axis=(1, 2)),  # [L + 2]
+            "max_over_rms_per_state": peak / rms}  # [L + 2]
 
 
 def outlier_statistics(model: Transformer, token_ids: jax.Array,

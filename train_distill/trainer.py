@@ -1,7 +1,7 @@
 """One trainer for pre-training and distillation, on the same model code that serves.
 
 The train step is one jitted function over (parameters, optimizer state, batch[, teacher]) on
-a ('data', 'model') mesh (`[mesh]` in the run config): the batch `[B, L + 1]` is split over
+a ('data', 'model') mesh (`[mesh]` in the run config): the batch `[B, T + 1]` is split over
 'data', the parameters follow the chosen layout (by default "fsdp_tp": split along the model
 width over 'data' and along heads / MLP / vocabulary over 'model'), and every optimizer buffer
 that mirrors a parameter (Adam's moments, Muon's momentum) is split exactly like it. The step
@@ -172,9 +172,9 @@ class Trainer:
 
         tokens = Path(config.data.tokens)
         self.train_windows = pack(np.load(tokens / "train.npy").astype(np.int32),
-                                  config.data.sequence_length)  # [W, L + 1]
+                                  config.data.sequence_length)  # [W, T + 1]
         self.validation_windows = pack(np.load(tokens / "validation.npy").astype(np.int32),
-                                       config.data.sequence_length)  # [Wv, L + 1]
+                                       config.data.sequence_length)  # [Wv, T + 1]
         if config.data.batch_size % data_size:
             raise ValueError(f"data.batch_size = {config.data.batch_size} must divide over "
                              f"{data_size} data-parallel devices")
@@ -225,9 +225,9 @@ class Trainer:
 
     def _loss(self, params: nnx.State, batch: jax.Array,
               teacher_params: nnx.State | None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, L], [B, L]
-        mask = jnp.ones(targets.shape, jnp.float32)  # [B, L]; packed windows are all real
-        logits, _ = nnx.merge(self.graphdef, params)(inputs)  # [B, L, V]
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T], [B, T]
+        mask = jnp.ones(targets.shape, jnp.float32)  # [B, T]; packed windows are all real
+        logits, _ = nnx.merge(self.graphdef, params)(inputs)  # [B, T, V]
         if teacher_params is None:
             loss = cross_entropy(logits, targets, mask)
             return loss, {"ce": loss}
@@ -248,7 +248,7 @@ class Trainer:
 
     def _evaluate_batch(self, params: nnx.State, batch: jax.Array) -> jax.Array:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits, _ = nnx.merge(self.graphdef, params)(inputs)  # [B, L, V]
+        logits, _ = nnx.merge(self.graphdef, params)(inputs)  # [B, T, V]
         return cross_entropy(logits, targets, jnp.ones(targets.shape, jnp.float32))
 
     # ---------------------------------------------------------------- host loop
@@ -268,7 +268,7 @@ class Trainer:
         return math.exp(float(np.mean(losses)))
 
     def _place_batch(self, batch: np.ndarray) -> jax.Array:
-        """The global batch `[B, L + 1]` as one array with rows split over 'data'.
+        """The global batch `[B, T + 1]` as one array with rows split over 'data'.
 
         Every process holds the same global batch (the loader is seeded), so each fills in
         the rows of its own devices; this works alike for one process and for many.
@@ -287,7 +287,7 @@ class Trainer:
         try:
             while self.state.step < end:
                 started = time.perf_counter()
-                batch = self._place_batch(self.loader.next_batch())  # [B, L + 1]
+                batch = self._place_batch(self.loader.next_batch())  # [B, T + 1]
                 with activate(self.mesh, self.rules):
                     params, opt_state, metrics = self._train_step(
                         self.state.params, self.state.opt_state, batch, self.teacher_params)

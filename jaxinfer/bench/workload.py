@@ -71,7 +71,7 @@ def length_bounds(spec: LengthSpec) -> tuple[int, int]:
 
 def _draw_lengths(spec: LengthSpec, count: int, rng: np.random.Generator) -> np.ndarray:
     low, high = length_bounds(spec)
-    return rng.integers(low, high + 1, size=count)  # [N]
+    return rng.integers(low, high + 1, size=count)  # [count]
 
 
 def make_requests(num_requests: int, *, vocab_size: int, input_len: LengthSpec,
@@ -102,8 +102,8 @@ def make_requests(num_requests: int, *, vocab_size: int, input_len: LengthSpec,
         if low < 1 or low > high:
             raise ValueError(f"{name} = {spec!r}: need 1 <= low <= high")
     rng = np.random.default_rng(seed)
-    prompt_lens = _draw_lengths(input_len, num_requests, rng)  # [N]
-    output_lens = _draw_lengths(output_len, num_requests, rng)  # [N]
+    prompt_lens = _draw_lengths(input_len, num_requests, rng)  # [num_requests]
+    output_lens = _draw_lengths(output_len, num_requests, rng)  # [num_requests]
     requests = []
     for index in range(num_requests):
         prompt = rng.integers(FIRST_ORDINARY_TOKEN, vocab_size,

@@ -65,31 +65,31 @@ def grouped_matmul(
     """Grouped matmul: expert e multiplies its `group_sizes[e]` consecutive rows by `rhs[e]`.
 
     Args:
-        lhs: `[M, K]` rows sorted by expert.
-        rhs: `[E, K, N]` float weights, or int8 weights when `scales` is given.
+        lhs: `[rows, I]` rows sorted by expert.
+        rhs: `[E, I, O]` float weights, or int8 weights when `scales` is given.
         group_sizes: `[E]` int32 rows per expert (zeros allowed; rows past the sum are zero).
-        scales: `[E, N]` per-expert, per-output-channel scales of int8 `rhs`, or None.
+        scales: `[E, O]` per-expert, per-output-channel scales of int8 `rhs`, or None.
         implementation: A `pallas_kernels.dispatch.CHOICES` name.
         block_m: Kernel row tile; None takes `tuning.default_blocks`.
         block_k: Kernel contraction tile; None takes the default.
         block_n: Kernel output-column tile; None takes the default.
 
     Returns:
-        `[M, N]` in the dtype of `lhs`, accumulated in f32.
+        `[rows, O]` in the dtype of `lhs`, accumulated in f32.
     """
     choice = dispatch.resolve(implementation)
     if choice in ("xla", "reference"):
         if scales is None:
-            return grouped_matmul_reference(lhs, rhs, group_sizes)  # [M, N]
-        return grouped_matmul_int8_reference(lhs, rhs, scales, group_sizes)  # [M, N]
+            return grouped_matmul_reference(lhs, rhs, group_sizes)  # [rows, O]
+        return grouped_matmul_int8_reference(lhs, rhs, scales, group_sizes)  # [rows, O]
     default_m, default_k, default_n = default_blocks(lhs.dtype, scales is not None)
     blocks = {"block_m": default_m if block_m is None else block_m,
               "block_k": default_k if block_k is None else block_k,
               "block_n": default_n if block_n is None else block_n,
               "interpret": dispatch.interpret_mode(choice)}
     if scales is None:
-        return _kernel.grouped_matmul(lhs, rhs, group_sizes, **blocks)  # [M, N]
-    return _kernel.grouped_matmul_int8(lhs, rhs, scales, group_sizes, **blocks)  # [M, N]
+        return _kernel.grouped_matmul(lhs, rhs, group_sizes, **blocks)  # [rows, O]
+    return _kernel.grouped_matmul_int8(lhs, rhs, scales, group_sizes, **blocks)  # [rows, O]
 
 
 def moe_ffn(
@@ -104,8 +104,8 @@ def moe_ffn(
     """Routes each token to its top-k experts and mixes their SwiGLU outputs.
 
     Args:
-        x: `[M, D]` tokens.
-        router_logits: `[M, E]`.
+        x: `[T, D]` tokens.
+        router_logits: `[T, E]`.
         gate: `[E, D, F]` expert gate projections.
         up: `[E, D, F]` expert up projections.
         down: `[E, F, D]` expert down projections.
@@ -113,7 +113,7 @@ def moe_ffn(
         implementation: "sorted", "dense", or a `pallas_kernels.dispatch.CHOICES` name.
 
     Returns:
-        `[M, D]` in the dtype of `x`.
+        `[T, D]` in the dtype of `x`.
 
     Raises:
         ValueError: An unknown implementation.
@@ -121,13 +121,13 @@ def moe_ffn(
     if implementation not in _MOE_IMPLEMENTATIONS:
         raise ValueError(f"unknown MoE implementation {implementation!r}; "
                          f"known: {sorted(_MOE_IMPLEMENTATIONS)}")
-    weights, experts = route_top_k(router_logits, top_k)  # [M, k], [M, k]
+    weights, experts = route_top_k(router_logits, top_k)  # [T, A], [T, A]
     if implementation == "dense":
-        return moe_dense(x, weights, experts, gate, up, down)  # [M, D]
+        return moe_dense(x, weights, experts, gate, up, down)  # [T, D]
     if implementation == "sorted":
-        return moe_sorted(x, weights, experts, gate, up, down)  # [M, D]
+        return moe_sorted(x, weights, experts, gate, up, down)  # [T, D]
     return moe_sorted(x, weights, experts, gate, up, down,
-                      **_sorted_matmul(implementation))  # [M, D]
+                      **_sorted_matmul(implementation))  # [T, D]
 
 
 def moe_ffn_local_experts(
@@ -143,9 +143,9 @@ def moe_ffn_local_experts(
     """The contribution of experts `first_expert .. first_expert + E - 1` to routed tokens.
 
     Args:
-        x: `[M, D]` tokens.
-        weights: `[M, k]` routing weights (`route_top_k`).
-        experts: `[M, k]` global expert ids.
+        x: `[T, D]` tokens.
+        weights: `[T, A]` routing weights (`route_top_k`).
+        experts: `[T, A]` global expert ids.
         gate: `[E, D, F]` the local experts' gate projections.
         up: `[E, D, F]`.
         down: `[E, F, D]`.
@@ -153,10 +153,10 @@ def moe_ffn_local_experts(
         implementation: A `pallas_kernels.dispatch.CHOICES` name for the grouped matmuls.
 
     Returns:
-        `[M, D]` float32; the sum over all shards equals `moe_ffn` (before its final cast).
+        `[T, D]` float32; the sum over all shards equals `moe_ffn` (before its final cast).
     """
     return moe_sorted_partial(x, weights, experts, gate, up, down, first_expert=first_expert,
-                              **_sorted_matmul(implementation))  # [M, D]
+                              **_sorted_matmul(implementation))  # [T, D]
 
 
 def _sorted_matmul(implementation: str) -> dict[str, functools.partial]:

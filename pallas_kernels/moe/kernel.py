@@ -1,18 +1,18 @@
 """Pallas TPU grouped matmul for mixture-of-experts: rows sorted by expert, one weight per group.
 
-`lhs [M, K]` holds rows sorted by expert; expert e owns `group_sizes[e]` consecutive rows and
+`lhs [rows, I]` holds rows sorted by expert; expert e owns `group_sizes[e]` consecutive rows and
 multiplies them by `rhs[e]`. A row tile of `block_m` rows can straddle several groups (and a
 group can span many tiles), so the kernel does not map tiles to experts one-to-one. Instead the
 wrapper turns `group_sizes` into a *visit schedule*: the list of (row tile, expert) pairs whose
-rows intersect, in row order. The grid is `(N tiles, visits, K tiles)`; each visit multiplies the
+rows intersect, in row order. The grid is `(O tiles, visits, I tiles)`; each visit multiplies the
 row tile, with the rows outside the expert's group zeroed, by that expert's weight block and adds
 the product into an f32 VMEM accumulator that stays live across all visits of the same tile.
-The tile is written once, on the last K step of its last visit.
+The tile is written once, on the last I step of its last visit.
 
 The schedule has a static length, `row_tiles + E - 1` (every group boundary inside a tile adds at
 most one visit); unused trailing entries are marked invalid, skip all work, and repeat the last
 tile and expert, so the finished output tile stays put and no new expert's weights are fetched.
-Tiles past the last group (padding, or `sum(group_sizes) < M`) get one compute-free visit that
+Tiles past the last group (padding, or `sum(group_sizes) < rows`) get one compute-free visit that
 writes zeros, matching `jax.lax.ragged_dot`. Empty groups get no visits.
 
 The schedule and the group offsets (the prefix sums of `group_sizes`) are scalar-prefetched into
@@ -52,13 +52,13 @@ def visit_schedule(group_sizes: jax.Array, num_rows: int, num_padded_rows: int,
     Args:
         group_sizes: `[E]` int32 rows per expert; their sum should not exceed `num_rows`
             (a larger sum is clipped, so rows past `num_rows` belong to no group).
-        num_rows: M, the real number of lhs rows.
-        num_padded_rows: M rounded up to a multiple of `block_m`.
+        num_rows: The real number of lhs rows.
+        num_padded_rows: rows rounded up to a multiple of `block_m`.
         block_m: Rows per tile.
 
     Returns:
-        `(offsets [E+1], tiles [V], experts [V], flags [V])`, all int32, with
-        `V = num_padded_rows // block_m + E - 1`: expert e owns rows
+        `(offsets [E+1], tiles, experts, flags [num_slots])`, all int32, with
+        `num_slots = num_padded_rows // block_m + E - 1`: expert e owns rows
         `offsets[e]:offsets[e+1]`; visit v works on row tile `tiles[v]` with expert
         `experts[v]`, and `flags[v]` holds the `_COMPUTE`, `_FIRST` and `_LAST` bits.
     """
@@ -77,31 +77,31 @@ def visit_schedule(group_sizes: jax.Array, num_rows: int, num_padded_rows: int,
     covered_tiles = (ends[-1] + block_m - 1) // block_m  # tiles holding at least one grouped row
     num_visits = num_group_visits + (num_tiles - covered_tiles)  # >= 1 since num_tiles >= 1
 
-    slot = jnp.arange(num_slots, dtype=jnp.int32)  # [V]
+    slot = jnp.arange(num_slots, dtype=jnp.int32)  # [num_slots]
     # The group of visit v is the first whose visit range ends after v (skips empty groups).
     group = jnp.minimum(jnp.searchsorted(group_visit_end, slot, side="right"),
-                        num_experts - 1).astype(jnp.int32)  # [V]
-    is_group_visit = slot < num_group_visits  # [V]
+                        num_experts - 1).astype(jnp.int32)  # [num_slots]
+    is_group_visit = slot < num_group_visits  # [num_slots]
     tiles = jnp.where(is_group_visit, first_tile[group] + slot - group_visit_start[group],
-                      covered_tiles + slot - num_group_visits)  # [V]
+                      covered_tiles + slot - num_group_visits)  # [num_slots]
     # Zero-fill visits use the last expert: its rows all lie before the uncovered tiles anyway.
-    experts = jnp.where(is_group_visit, group, num_experts - 1)  # [V]
-    valid = slot < num_visits  # [V]
+    experts = jnp.where(is_group_visit, group, num_experts - 1)  # [num_slots]
+    valid = slot < num_visits  # [num_slots]
     last_valid = num_visits - 1
-    tiles = jnp.where(valid, tiles, tiles[last_valid]).astype(jnp.int32)  # [V]
-    experts = jnp.where(valid, experts, experts[last_valid]).astype(jnp.int32)  # [V]
-    previous = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tiles[:-1]])  # [V]
-    following = jnp.concatenate([tiles[1:], jnp.full((1,), -1, jnp.int32)])  # [V]
-    first = valid & (tiles != previous)  # [V]
-    last = valid & ((slot == last_valid) | (tiles != following))  # [V]
+    tiles = jnp.where(valid, tiles, tiles[last_valid]).astype(jnp.int32)  # [num_slots]
+    experts = jnp.where(valid, experts, experts[last_valid]).astype(jnp.int32)  # [num_slots]
+    previous = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tiles[:-1]])  # [num_slots]
+    following = jnp.concatenate([tiles[1:], jnp.full((1,), -1, jnp.int32)])  # [num_slots]
+    first = valid & (tiles != previous)  # [num_slots]
+    last = valid & ((slot == last_valid) | (tiles != following))  # [num_slots]
     flags = (jnp.where(is_group_visit & valid, _COMPUTE, 0) + jnp.where(first, _FIRST, 0) +
-             jnp.where(last, _LAST, 0)).astype(jnp.int32)  # [V]
+             jnp.where(last, _LAST, 0)).astype(jnp.int32)  # [num_slots]
     return offsets.astype(jnp.int32), tiles, experts, flags
 
 
 def _grouped_matmul_kernel(offsets_ref, tiles_ref, experts_ref, flags_ref, lhs_ref, rhs_ref,
                            *rest, block_m: int, quantized: bool):
-    """One (N tile, visit, K tile) step; `rest` is `([scales_ref,] out_ref, acc_ref)`."""
+    """One (O tile, visit, I tile) step; `rest` is `([scales_ref,] out_ref, acc_ref)`."""
     if quantized:
         scales_ref, out_ref, acc_ref = rest
     else:
@@ -127,7 +127,7 @@ def _grouped_matmul_kernel(offsets_ref, tiles_ref, experts_ref, flags_ref, lhs_r
         rhs = rhs_ref[...]  # [bk, bn]
         if quantized:
             # int8 values are exact in bf16/f32; the per-output-channel scale commutes with the
-            # K sum, so it is applied to the partial product instead of to every weight.
+            # I sum, so it is applied to the partial product instead of to every weight.
             rhs = rhs.astype(lhs.dtype)  # [bk, bn]
         product = jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)  # [bm, bn]
         if quantized:
@@ -154,12 +154,12 @@ def _grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, scales: jax.Array | Non
         raise ValueError(f"block_m must be positive, got {block_m}")
     block_k = _fit_block(block_k, depth, "block_k")
     block_n = _fit_block(block_n, width, "block_n")
-    # Pad M up to whole tiles; the padding rows belong to no group and come back as zeros.
+    # Pad the rows up to whole tiles; the padding rows belong to no group and come back as zeros.
     block_m = min(block_m, num_rows)
     num_padded_rows = pl.cdiv(num_rows, block_m) * block_m
-    lhs_padded = jnp.pad(lhs, ((0, num_padded_rows - num_rows), (0, 0)))  # [Mp, K]
+    lhs_padded = jnp.pad(lhs, ((0, num_padded_rows - num_rows), (0, 0)))  # [rows', I]
     offsets, tiles, experts, flags = visit_schedule(group_sizes, num_rows, num_padded_rows,
-                                                    block_m)  # [E+1], [V], [V], [V]
+                                                    block_m)  # [E+1], [num_slots] x 3
     num_visits = tiles.shape[0]
 
     in_specs = [
@@ -171,7 +171,7 @@ def _grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, scales: jax.Array | Non
     if scales is not None:
         in_specs.append(pl.BlockSpec((pl.squeezed, 1, block_n),
                                      lambda n, v, k, offs, tls, exps, flg: (exps[v], 0, n)))
-        operands.append(scales.reshape(num_experts, 1, width))  # [E, 1, N]
+        operands.append(scales.reshape(num_experts, 1, width))  # [E, 1, O]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(width // block_n, num_visits, depth // block_k),
@@ -191,13 +191,13 @@ def _grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, scales: jax.Array | Non
                           quantized=scales is not None),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((num_padded_rows, width), lhs.dtype),
-        # N tiles are independent; visits and K steps share the accumulator, so they are
+        # O tiles are independent; visits and I steps share the accumulator, so they are
         # sequential ("arbitrary").
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
-    )(offsets, tiles, experts, flags, *operands)  # [Mp, N]
+    )(offsets, tiles, experts, flags, *operands)  # [rows', O]
     return out[:num_rows]
 
 
@@ -208,17 +208,17 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, bl
     """Grouped matmul: row `i` of group e is `lhs[i] @ rhs[e]`, accumulated in f32.
 
     Args:
-        lhs: `[M, K]` rows sorted by group.
-        rhs: `[E, K, N]` one weight matrix per group.
+        lhs: `[rows, I]` rows sorted by group.
+        rhs: `[E, I, O]` one weight matrix per group.
         group_sizes: `[E]` int32; group e owns `group_sizes[e]` consecutive rows (zero is
             allowed). Rows past `sum(group_sizes)` come back as zeros.
-        block_m: Rows per tile (M is padded up to a multiple; clamped to M).
-        block_k: Contraction tile; clamped to K, else must divide K.
-        block_n: Output-column tile; clamped to N, else must divide N.
+        block_m: Rows per tile (the rows are padded up to a multiple; clamped to them).
+        block_k: Contraction tile; clamped to I, else must divide I.
+        block_n: Output-column tile; clamped to O, else must divide O.
         interpret: `pallas_call`'s `interpret=` (False compiles with Mosaic for TPU).
 
     Returns:
-        `[M, N]` in the dtype of `lhs`.
+        `[rows, O]` in the dtype of `lhs`.
 
     Raises:
         ValueError: Mismatched shapes or a block that does not tile its dimension.
@@ -234,12 +234,12 @@ def grouped_matmul_int8(lhs: jax.Array, rhs: jax.Array, scales: jax.Array,
     """Grouped matmul with int8 weights: row `i` of group e is `lhs[i] @ (rhs[e] * scales[e])`.
 
     The weights stay int8 in HBM and are widened in VMEM; the per-channel scale multiplies the
-    f32 partial product of each K tile.
+    f32 partial product of each I tile.
 
     Args:
-        lhs: `[M, K]` rows sorted by group (float).
-        rhs: `[E, K, N]` int8 weights.
-        scales: `[E, N]` per-expert, per-output-channel dequantization scales.
+        lhs: `[rows, I]` rows sorted by group (float).
+        rhs: `[E, I, O]` int8 weights.
+        scales: `[E, O]` per-expert, per-output-channel dequantization scales.
         group_sizes: `[E]` int32 rows per group, as in `grouped_matmul`.
         block_m: Rows per tile.
         block_k: Contraction tile.
@@ -247,7 +247,7 @@ def grouped_matmul_int8(lhs: jax.Array, rhs: jax.Array, scales: jax.Array,
         interpret: `pallas_call`'s `interpret=`.
 
     Returns:
-        `[M, N]` in the dtype of `lhs`.
+        `[rows, O]` in the dtype of `lhs`.
 
     Raises:
         ValueError: Mismatched shapes or a block that does not tile its dimension.

@@ -3,7 +3,7 @@
 Two implementations of the same function:
 
 * `moe_dense`: every expert runs on every token and the outputs are mixed with the routing
-  weights (zero for experts a token was not routed to). Obviously correct and E/k times too
+  weights (zero for experts a token was not routed to). Obviously correct and E/A times too
   expensive; it is the oracle for the others.
 * `moe_sorted`: the token-expert assignments are sorted by expert, each expert's contiguous
   group of rows goes through `jax.lax.ragged_dot`, and the results are un-permuted and mixed.
@@ -29,21 +29,21 @@ def route_top_k(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Ar
     """Mixtral routing: softmax over experts, top-k, weights renormalized to sum to one.
 
     Args:
-        router_logits: `[M, E]` router outputs per token.
+        router_logits: `[T, E]` router outputs per token.
         top_k: Experts per token.
 
     Returns:
-        `(weights [M, k] float32, experts [M, k] int32)`, experts in descending weight order.
+        `(weights [T, A] float32, experts [T, A] int32)`, experts in descending weight order.
     """
-    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [M, E]
-    weights, experts = jax.lax.top_k(probabilities, top_k)  # [M, k], [M, k]
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # [M, k]
+    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
+    weights, experts = jax.lax.top_k(probabilities, top_k)  # [T, A], [T, A]
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # [T, A]
     return weights, experts.astype(jnp.int32)
 
 
 def _expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    hidden = jax.nn.silu(x @ gate) * (x @ up)  # [M, F]
-    return hidden @ down  # [M, D]
+    hidden = jax.nn.silu(x @ gate) * (x @ up)  # [T, F]
+    return hidden @ down  # [T, D]
 
 
 def moe_dense(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
@@ -51,21 +51,21 @@ def moe_dense(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Ar
     """All experts on all tokens, mixed by routing weight.
 
     Args:
-        x: `[M, D]` tokens.
-        weights: `[M, k]` routing weights.
-        experts: `[M, k]` chosen expert ids.
+        x: `[T, D]` tokens.
+        weights: `[T, A]` routing weights.
+        experts: `[T, A]` chosen expert ids.
         gate: `[E, D, F]`.
         up: `[E, D, F]`.
         down: `[E, F, D]`.
 
     Returns:
-        `[M, D]` in the dtype of `x`.
+        `[T, D]` in the dtype of `x`.
     """
     num_experts = gate.shape[0]
-    one_hot = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)  # [M, k, E]
-    mixing = jnp.einsum("mk,mke->me", weights.astype(jnp.float32), one_hot)  # [M, E]
-    per_expert = jax.vmap(_expert_ffn, in_axes=(None, 0, 0, 0))(x, gate, up, down)  # [E, M, D]
-    mixed = jnp.einsum("me,emd->md", mixing, per_expert.astype(jnp.float32))  # [M, D]
+    one_hot = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)  # [T, A, E]
+    mixing = jnp.einsum("ta,tae->te", weights.astype(jnp.float32), one_hot)  # [T, E]
+    per_expert = jax.vmap(_expert_ffn, in_axes=(None, 0, 0, 0))(x, gate, up, down)  # [E, T, D]
+    mixed = jnp.einsum("te,etd->td", mixing, per_expert.astype(jnp.float32))  # [T, D]
     return mixed.astype(x.dtype)
 
 
@@ -73,15 +73,15 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     """Orders the flattened token-expert assignments by expert.
 
     Args:
-        experts: `[M, k]` expert ids.
+        experts: `[T, A]` expert ids.
         num_experts: E.
 
     Returns:
-        `(order [M*k] int32, group_sizes [E] int32)`: `order[i]` is the flat assignment
+        `(order [T*A] int32, group_sizes [E] int32)`: `order[i]` is the flat assignment
         (token * k + slot) in sorted row i; expert e owns `group_sizes[e]` consecutive rows.
     """
-    flat = experts.reshape(-1)  # [M*k]
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [M*k]
+    flat = experts.reshape(-1)  # [T*A]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [T*A]
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
     return order, group_sizes
 
@@ -90,16 +90,16 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     """Grouped matmul via `jax.lax.ragged_dot`, accumulated in f32.
 
     Args:
-        lhs: `[M, K]` rows sorted by group.
-        rhs: `[E, K, N]` one weight matrix per group.
+        lhs: `[rows, I]` rows sorted by group.
+        rhs: `[E, I, O]` one weight matrix per group.
         group_sizes: `[E]` int32; group e owns `group_sizes[e]` consecutive rows. Rows past
             `sum(group_sizes)` come back as zeros.
 
     Returns:
-        `[M, N]` in the dtype of `lhs`.
+        `[rows, O]` in the dtype of `lhs`.
     """
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes,
-                             preferred_element_type=jnp.float32)  # [M, N]
+                             preferred_element_type=jnp.float32)  # [rows, O]
     return out.astype(lhs.dtype)
 
 
@@ -108,17 +108,17 @@ def grouped_matmul_int8_reference(lhs: jax.Array, rhs: jax.Array, scales: jax.Ar
     """Grouped matmul with int8 weights: dequantize to f32, then `grouped_matmul_reference`.
 
     Args:
-        lhs: `[M, K]` rows sorted by group.
-        rhs: `[E, K, N]` int8 weights.
-        scales: `[E, N]` per-expert, per-output-channel scales.
+        lhs: `[rows, I]` rows sorted by group.
+        rhs: `[E, I, O]` int8 weights.
+        scales: `[E, O]` per-expert, per-output-channel scales.
         group_sizes: `[E]` int32 rows per group.
 
     Returns:
-        `[M, N]` in the dtype of `lhs`.
+        `[rows, O]` in the dtype of `lhs`.
     """
-    weights = rhs.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, :]  # [E, K, N]
+    weights = rhs.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, :]  # [E, I, O]
     out = jax.lax.ragged_dot(lhs.astype(jnp.float32), weights, group_sizes,
-                             preferred_element_type=jnp.float32)  # [M, N]
+                             preferred_element_type=jnp.float32)  # [rows, O]
     return out.astype(lhs.dtype)
 
 
@@ -127,17 +127,17 @@ def permute(x: jax.Array, experts: jax.Array,
     """Gathers one row per token-expert assignment, sorted by expert.
 
     Args:
-        x: `[M, D]` tokens.
-        experts: `[M, k]` expert ids.
+        x: `[T, D]` tokens.
+        experts: `[T, A]` expert ids.
         num_experts: E.
 
     Returns:
-        `(rows [M*k, D], order [M*k] int32, group_sizes [E] int32)`, as `sort_by_expert`
+        `(rows [T*A, D], order [T*A] int32, group_sizes [E] int32)`, as `sort_by_expert`
         describes; sorted row i is token `order[i] // k`.
     """
     top_k = experts.shape[1]
-    order, group_sizes = sort_by_expert(experts, num_experts)  # [M*k], [E]
-    rows = x[order // top_k]  # [M*k, D], assignment i reads token i // k
+    order, group_sizes = sort_by_expert(experts, num_experts)  # [T*A], [E]
+    rows = x[order // top_k]  # [T*A, D], assignment i reads token i // k
     return rows, order, group_sizes
 
 
@@ -145,24 +145,24 @@ def unpermute(out_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> ja
     """Scatters expert outputs back to assignment order and mixes each token's k of them.
 
     Args:
-        out_sorted: `[M*k, D]` expert outputs in sorted (`permute`) order.
-        order: `[M*k]` from `permute`.
-        weights: `[M, k]` routing weights.
+        out_sorted: `[T*A, D]` expert outputs in sorted (`permute`) order.
+        order: `[T*A]` from `permute`.
+        weights: `[T, A]` routing weights.
 
     Returns:
-        `[M, D]` float32.
+        `[T, D]` float32.
     """
     num_tokens, top_k = weights.shape
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # [M*k, D], back to flat order
-    out = out.reshape(num_tokens, top_k, -1).astype(jnp.float32)  # [M, k, D]
-    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), out)  # [M, D]
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # [T*A, D], back to flat order
+    out = out.reshape(num_tokens, top_k, -1).astype(jnp.float32)  # [T, A, D]
+    return jnp.einsum("ta,tad->td", weights.astype(jnp.float32), out)  # [T, D]
 
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)  # [M, N]
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)  # [rows, O]
 
 
 def moe_sorted(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
@@ -171,20 +171,20 @@ def moe_sorted(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.A
     """Sorted dispatch with grouped matmuls; same contract as `moe_dense`.
 
     Args:
-        x: `[M, D]` tokens.
-        weights: `[M, k]` routing weights.
-        experts: `[M, k]` chosen expert ids.
+        x: `[T, D]` tokens.
+        weights: `[T, A]` routing weights.
+        experts: `[T, A]` chosen expert ids.
         gate: `[E, D, F]`.
         up: `[E, D, F]`.
         down: `[E, F, D]`.
-        grouped_matmul: `(lhs [R, K], rhs [E, K, N], group_sizes [E]) -> [R, N]`;
+        grouped_matmul: `(lhs [rows, I], rhs [E, I, O], group_sizes [E]) -> [rows, O]`;
             `jax.lax.ragged_dot` by default, the Pallas kernel on the kernel path.
 
     Returns:
-        `[M, D]` in the dtype of `x`.
+        `[T, D]` in the dtype of `x`.
     """
     return moe_sorted_partial(x, weights, experts, gate, up, down,
-                              grouped_matmul=grouped_matmul).astype(x.dtype)  # [M, D]
+                              grouped_matmul=grouped_matmul).astype(x.dtype)  # [T, D]
 
 
 def moe_sorted_partial(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array,
@@ -198,9 +198,9 @@ def moe_sorted_partial(x: jax.Array, weights: jax.Array, experts: jax.Array, gat
     so they add nothing; summing the shards' results over the expert axis gives `moe_sorted`.
 
     Args:
-        x: `[M, D]` tokens.
-        weights: `[M, k]` routing weights.
-        experts: `[M, k]` chosen (global) expert ids.
+        x: `[T, D]` tokens.
+        weights: `[T, A]` routing weights.
+        experts: `[T, A]` chosen (global) expert ids.
         gate: `[E, D, F]` the local experts' weights (likewise `up`, and `down` `[E, F, D]`).
         up: `[E, D, F]`.
         down: `[E, F, D]`.
@@ -208,15 +208,15 @@ def moe_sorted_partial(x: jax.Array, weights: jax.Array, experts: jax.Array, gat
         first_expert: Global id of local expert 0 (a traced value under `shard_map`).
 
     Returns:
-        `[M, D]` float32.
+        `[T, D]` float32.
     """
     num_local = gate.shape[0]
-    local = experts - first_expert  # [M, k]
+    local = experts - first_expert  # [T, A]
     # Non-local assignments get the extra id num_local: sorted last, outside every group.
-    local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # [M, k]
-    rows, order, group_sizes = permute(x, local, num_local + 1)  # [M*k, D], [M*k], [E + 1]
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # [T, A]
+    rows, order, group_sizes = permute(x, local, num_local + 1)  # [T*A, D], [T*A], [E + 1]
     group_sizes = group_sizes[:num_local]  # [E]
     hidden = jax.nn.silu(grouped_matmul(rows, gate, group_sizes)) * grouped_matmul(
-        rows, up, group_sizes)  # [M*k, F]
-    out_sorted = grouped_matmul(hidden, down, group_sizes)  # [M*k, D]
-    return unpermute(out_sorted, order, weights)  # [M, D] float32
+        rows, up, group_sizes)  # [T*A, F]
+    out_sorted = grouped_matmul(hidden, down, group_sizes)  # [T*A, D]
+    return unpermute(out_sorted, order, weights)  # [T, D] float32

@@ -50,7 +50,7 @@ def ragged_paged_attention(
     """`[T, N, H]` attention of packed query tokens to their sequences' paged keys.
 
     See `reference.ragged_paged_attention_reference` for the arguments; `soft_cap` caps the
-    logits as `cap * tanh(s / cap)`; `kv_scales` (`[P, page_size, 2K]` float32) marks an int8
+    logits as `cap * tanh(s / cap)`; `kv_scales` (`[P, Z, 2K]` float32) marks an int8
     pool written by `write_to_quantized_pages`.
 
     Raises:

@@ -6,20 +6,21 @@ and the ragged batch description, which this kernel shares).
 
 Work split. The wrapper regroups the queries per KV head, `[T, N, H]` -> `[K, T * G, H]`
 (row `t * G + g` is query head `k * G + g` of token t), so one program owns one KV head and a
-tile of `block_tokens` packed tokens, and every matmul is a plain 2-D `[rows, H] x [H, L]`.
+tile of `block_tokens` packed tokens, and every matmul is a plain 2-D `[rows, H] x [H, S]`
+(S: the keys of one block of pages).
 The grid is `(K, T / block_tokens)`; both axes are independent ("parallel").
 
 Inside a program. Page tables, lengths and query offsets are scalar-prefetched into SMEM.
 For every sequence whose tokens intersect the tile, the kernel walks that sequence's pages in
 blocks of `pages_per_block`, copying each block's pages (this KV head's key and value rows
-only, `[page_size, 2, H]` per page) from HBM into VMEM with asynchronous copies,
+only, `[Z, 2, H]` per page) from HBM into VMEM with asynchronous copies,
 double-buffered: block j + 1's copies are in flight while block j is computed. Scores are
 masked causally by position, to the sequence's own rows, and to the optional sliding window,
 optionally soft-capped (`cap * tanh(s / cap)`), and folded into an online softmax (running
 max, denominator, weighted sum in f32 VMEM scratch). Rows of padding tokens stay zero.
 
 int8 KV. With `kv_scales` the pages are int8 and each block's per-token scales are copied
-beside them (`[page_size, 2]` per page: this head's key and value scales). The tile is never
+beside them (`[Z, 2]` per page: this head's key and value scales). The tile is never
 dequantized: a key's scale multiplies its score column (`q . (s k) = s (q . k)`) and a value's
 scale multiplies its probability column before the `P V` matmul, so the page bytes read stay
 one per element.
@@ -41,8 +42,8 @@ def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref,
     # inputs
-    queries_ref,  # [1, R, H] this KV head's query rows of the tile (R = block_tokens * G)
-    kv_pages_hbm,  # [P, page_size, 2K, H] the whole pool, left in HBM
+    queries_ref,  # [1, rows, H] this KV head's query rows of the tile (block_tokens * G)
+    kv_pages_hbm,  # [P, Z, 2K, H] the whole pool, left in HBM
     *refs,
     quantized: bool,
     group: int,
@@ -54,14 +55,14 @@ def _kernel(
     soft_cap: float | None,
 ):
     if quantized:
-        # kv_scales_hbm [P, page_size, 2K]; scale_buffer [2, pages_per_block, page_size, 2]
+        # kv_scales_hbm [P, Z, 2K]; scale_buffer [2, pages_per_block, Z, 2]
         (kv_scales_hbm, out_ref, buffer, semaphores, scale_buffer, scale_semaphores,
          running_max, denominator, accumulator) = refs
     else:
         out_ref, buffer, semaphores, running_max, denominator, accumulator = refs
-    # out_ref [1, R, H]; buffer [2, pages_per_block, page_size, 2, H] double-buffered key and
-    # value pages; semaphores [2, pages_per_block]; running_max, denominator [R, 1] f32;
-    # accumulator [R, H] f32.
+    # out_ref [1, rows, H]; buffer [2, pages_per_block, Z, 2, H] double-buffered key and
+    # value pages; semaphores [2, pages_per_block]; running_max, denominator [rows, 1] f32;
+    # accumulator [rows, H] f32.
     kv_head = pl.program_id(0)
     tile = pl.program_id(1)
     page_size = buffer.shape[2]
@@ -73,8 +74,8 @@ def _kernel(
     running_max[...] = jnp.full(running_max.shape, _MASKED, jnp.float32)
     denominator[...] = jnp.zeros(denominator.shape, jnp.float32)
     accumulator[...] = jnp.zeros(accumulator.shape, jnp.float32)
-    queries = queries_ref[0].astype(jnp.float32) * sm_scale  # [R, H]
-    row_token = tile_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [R, 1]
+    queries = queries_ref[0].astype(jnp.float32) * sm_scale  # [rows, H]
+    row_token = tile_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [rows, 1]
 
     def sequence_body(sequence, carry):
         query_start = cu_q_lens_ref[sequence]
@@ -122,39 +123,39 @@ def _kernel(
 
                 for copy in copies(block, slot):
                     copy.wait()
-                pages = buffer[slot]  # [pages_per_block, page_size, 2, H]
-                keys = pages[:, :, 0, :].reshape(block_keys, -1).astype(jnp.float32)  # [L, H]
+                pages = buffer[slot]  # [pages_per_block, Z, 2, H]
+                keys = pages[:, :, 0, :].reshape(block_keys, -1).astype(jnp.float32)  # [S, H]
                 values = pages[:, :, 1, :].reshape(block_keys, -1).astype(
-                    jnp.float32)  # [L, H]
+                    jnp.float32)  # [S, H]
                 scores = jax.lax.dot_general(
                     queries, keys, (((1,), (1,)), ((), ())),
-                    preferred_element_type=jnp.float32)  # [R, L]
+                    preferred_element_type=jnp.float32)  # [rows, S]
                 if quantized:
-                    page_scales = scale_buffer[slot]  # [pages_per_block, page_size, 2]
-                    key_scales = page_scales[:, :, 0].reshape(1, block_keys)  # [1, L]
-                    value_scales = page_scales[:, :, 1].reshape(1, block_keys)  # [1, L]
+                    page_scales = scale_buffer[slot]  # [pages_per_block, Z, 2]
+                    key_scales = page_scales[:, :, 0].reshape(1, block_keys)  # [1, S]
+                    value_scales = page_scales[:, :, 1].reshape(1, block_keys)  # [1, S]
                     scores = scores * key_scales
                 if soft_cap is not None:
                     scores = soft_cap * jnp.tanh(scores / soft_cap)
                 key_position = block * block_keys + jax.lax.broadcasted_iota(
-                    jnp.int32, (1, block_keys), 1)  # [1, L]
-                row_position = kv_len - (query_end - row_token)  # [R, 1]
+                    jnp.int32, (1, block_keys), 1)  # [1, S]
+                row_position = kv_len - (query_end - row_token)  # [rows, 1]
                 visible = ((row_token >= query_start) & (row_token < query_end)
                            & (key_position <= row_position) & (key_position < kv_len))
                 if sliding_window is not None:
                     visible &= row_position - key_position < sliding_window
-                scores = jnp.where(visible, scores, _MASKED)  # [R, L]
-                previous_max = running_max[...]  # [R, 1]
+                scores = jnp.where(visible, scores, _MASKED)  # [rows, S]
+                previous_max = running_max[...]  # [rows, 1]
                 new_max = jnp.maximum(previous_max, jnp.max(scores, axis=1, keepdims=True))
-                rescale = jnp.exp(previous_max - new_max)  # [R, 1]
-                probabilities = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [R, L]
+                rescale = jnp.exp(previous_max - new_max)  # [rows, 1]
+                probabilities = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [rows, S]
                 denominator[...] = denominator[...] * rescale + jnp.sum(
                     probabilities, axis=1, keepdims=True)
                 if quantized:
-                    probabilities = probabilities * value_scales  # [R, L]
+                    probabilities = probabilities * value_scales  # [rows, S]
                 accumulator[...] = accumulator[...] * rescale + jax.lax.dot_general(
                     probabilities, values, (((1,), (0,)), ((), ())),
-                    preferred_element_type=jnp.float32)  # [R, H]
+                    preferred_element_type=jnp.float32)  # [rows, H]
                 running_max[...] = new_max
                 return inner_carry
 
@@ -163,7 +164,7 @@ def _kernel(
         return carry
 
     jax.lax.fori_loop(0, num_seqs_ref[0], sequence_body, 0)
-    total = denominator[...]  # [R, 1]
+    total = denominator[...]  # [rows, 1]
     out_ref[0] = (accumulator[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
 
 
@@ -187,16 +188,16 @@ def ragged_paged_attention_kernel(
 
     Args:
         queries: `[T, N, H]` packed query tokens of all sequences.
-        kv_pages: `[P, page_size, 2K, H]` the page pool, keys and values interleaved on the
+        kv_pages: `[P, Z, 2K, H]` the page pool, keys and values interleaved on the
             head axis, with this step's keys already written.
-        kv_lens: `[S]` int32 key count of each sequence (this step's tokens included).
-        page_indices: `[S, pages_per_seq]` int32 page tables.
-        cu_q_lens: `[S + 1]` int32 query offsets.
+        kv_lens: `[Q]` int32 key count of each sequence (this step's tokens included).
+        page_indices: `[Q, pages_per_seq]` int32 page tables.
+        cu_q_lens: `[Q + 1]` int32 query offsets.
         num_seqs: `[1]` int32 number of real sequences.
         sm_scale: Softmax scale.
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (Gemma-2 style), or None.
-        kv_scales: `[P, page_size, 2K]` float32 scales of an int8 pool, or None.
+        kv_scales: `[P, Z, 2K]` float32 scales of an int8 pool, or None.
         block_tokens: Packed query tokens per program.
         pages_per_block: Pages copied and computed together.
         interpret: `pallas_call`'s interpret argument (False compiles for TPU).

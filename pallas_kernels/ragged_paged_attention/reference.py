@@ -1,13 +1,13 @@
 """Ragged paged attention, the readable float32 reference (and the XLA path off-TPU).
 
-One step of a continuous-batching engine attends a ragged batch: S sequences, each bringing
+One step of a continuous-batching engine attends a ragged batch: Q sequences, each bringing
 some new query tokens (a prefill chunk, or one decode token) packed back to back into one
 `[T, N, H]` array, to all of its keys so far, which live in fixed-size pages of a shared pool.
 
 Page layout (the one the engine's cache, this reference and the kernels share):
 
-    kv_pages: [P, page_size, 2 * K, H]   keys and values interleaved on the head axis:
-                                          slot 2k holds key head k, slot 2k + 1 value head k
+    kv_pages: [P, Z, 2K, H]   Z = page_size; keys and values interleaved on the head axis:
+                              slot 2k holds key head k, slot 2k + 1 value head k
 
 Page p, row r of a sequence whose page table is `page_indices[s]` holds that sequence's token
 at position `j * page_size + r` where `page_indices[s, j] == p`. Interleaving K and V keeps one
@@ -15,7 +15,7 @@ token's keys and values in one contiguous row, so a kernel fetches both with one
 
 int8 KV cache: the pages may be int8, with one float32 scale per token and combined head
 
-    kv_scales: [P, page_size, 2 * K]      symmetric absmax / 127 over the head dim,
+    kv_scales: [P, Z, 2K]     symmetric absmax / 127 over the head dim,
 
 so a stored row dequantizes as `kv_pages[p, r, c].astype(f32) * kv_scales[p, r, c]`. The scales
 mirror the pages without their head-dim axis, so one slot index addresses both.
@@ -23,8 +23,8 @@ mirror the pages without their head-dim axis, so one slot index addresses both.
 
 Ragged batch description (all int32):
 
-    cu_q_lens: [S + 1]  query token offsets: sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
-    kv_lens:   [S]      keys of sequence s after this step's tokens are written (its new query
+    cu_q_lens: [Q + 1]  query token offsets: sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
+    kv_lens:   [Q]      keys of sequence s after this step's tokens are written (its new query
                         tokens are the last q_len of them, at positions kv_len - q_len ...)
     num_seqs:  [1]      real sequences; rows past it (and tokens past cu_q_lens[num_seqs])
                         are padding and give zeros
@@ -42,7 +42,7 @@ _MASKED = -1e30  # finite, so a fully masked (padding) row stays NaN-free
 
 
 def _scatter_rows(pool: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Sets `pool[slot] = row` for a flat `[P * page_size, ...]` pool; negative slots drop."""
+    """Sets `pool[slot] = row` for a flat `[P * Z, ...]` pool; negative slots drop."""
     slots = slot_mapping
     if slots.shape[0] == 1:
         # XLA rewrites a one-row scatter into a dynamic-update-slice that, on CPU, copies the
@@ -67,18 +67,18 @@ def write_to_pages(kv_pages: jax.Array, keys: jax.Array, values: jax.Array,
     """Writes new keys and values into their page slots.
 
     Args:
-        kv_pages: `[P, page_size, 2K, H]` the pool (one layer's).
+        kv_pages: `[P, Z, 2K, H]` the pool (one layer's).
         keys: `[T, K, H]` new keys, one per token.
         values: `[T, K, H]` new values.
         slot_mapping: `[T]` int32 flat slot `page * page_size + row` of each token; negative
             slots (padding tokens) are dropped.
 
     Returns:
-        The updated `[P, page_size, 2K, H]` pool.
+        The updated `[P, Z, 2K, H]` pool.
     """
     num_pages, page_size, combined_heads, head_dim = kv_pages.shape
     rows = _interleave(keys, values).astype(kv_pages.dtype)  # [T, 2K, H]
-    flat = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)  # [P*ps, 2K, H]
+    flat = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)  # [P*Z, 2K, H]
     return _scatter_rows(flat, rows, slot_mapping).reshape(kv_pages.shape)
 
 
@@ -97,8 +97,8 @@ def write_to_quantized_pages(kv_pages: jax.Array, kv_scales: jax.Array, keys: ja
     """Quantizes new keys and values to int8 (one scale per token and head) and writes them.
 
     Args:
-        kv_pages: `[P, page_size, 2K, H]` int8 pool (one layer's).
-        kv_scales: `[P, page_size, 2K]` float32 scales of the pool's rows.
+        kv_pages: `[P, Z, 2K, H]` int8 pool (one layer's).
+        kv_scales: `[P, Z, 2K]` float32 scales of the pool's rows.
         keys: `[T, K, H]` new float keys.
         values: `[T, K, H]` new float values.
         slot_mapping: `[T]` int32 flat slots; negative slots are dropped.
@@ -138,15 +138,15 @@ def ragged_paged_attention_reference(
 
     Args:
         queries: `[T, N, H]` packed query tokens of all sequences.
-        kv_pages: `[P, page_size, 2K, H]` the page pool, keys and values interleaved.
-        kv_lens: `[S]` int32 key count of each sequence (this step's tokens included).
-        page_indices: `[S, pages_per_seq]` int32 page table of each sequence.
-        cu_q_lens: `[S + 1]` int32 query offsets.
+        kv_pages: `[P, Z, 2K, H]` the page pool, keys and values interleaved.
+        kv_lens: `[Q]` int32 key count of each sequence (this step's tokens included).
+        page_indices: `[Q, pages_per_seq]` int32 page table of each sequence.
+        cu_q_lens: `[Q + 1]` int32 query offsets.
         num_seqs: `[1]` int32 number of real sequences.
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (Gemma-2 style `cap * tanh(s / cap)`), or None.
-        kv_scales: `[P, page_size, 2K]` scales of an int8 pool, or None for a float pool.
+        kv_scales: `[P, Z, 2K]` scales of an int8 pool, or None for a float pool.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -168,23 +168,23 @@ def ragged_paged_attention_reference(
 
     gathered = dequantize_pages(
         kv_pages[page_indices], None if kv_scales is None else kv_scales[page_indices]
-    ).reshape(max_seqs, max_len, 2 * num_kv_heads, head_dim)  # [S, L, 2K, H]
-    keys = gathered[:, :, 0::2][sequence]  # [T, L, K, H]
-    values = gathered[:, :, 1::2][sequence]  # [T, L, K, H]
+    ).reshape(max_seqs, max_len, 2 * num_kv_heads, head_dim)  # [Q, S, 2K, H]
+    keys = gathered[:, :, 0::2][sequence]  # [T, S, K, H]
+    values = gathered[:, :, 1::2][sequence]  # [T, S, K, H]
 
     grouped = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group,
                                                   head_dim)  # [T, K, G, H]
-    scores = jnp.einsum("tkgh,tskh->tkgs", grouped, keys) * sm_scale  # [T, K, G, L]
+    scores = jnp.einsum("tkgh,tskh->tkgs", grouped, keys) * sm_scale  # [T, K, G, S]
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    key_position = jnp.arange(max_len, dtype=jnp.int32)  # [L]
-    distance = position[:, None] - key_position[None, :]  # [T, L]
-    visible = (distance >= 0) & (key_position[None, :] < kv_lens[sequence][:, None])  # [T, L]
+    key_position = jnp.arange(max_len, dtype=jnp.int32)  # [S]
+    distance = position[:, None] - key_position[None, :]  # [T, S]
+    visible = (distance >= 0) & (key_position[None, :] < kv_lens[sequence][:, None])  # [T, S]
     if sliding_window is not None:
         visible &= distance < sliding_window
     visible &= real[:, None]
-    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)  # [T, K, G, L]
-    weights = jax.nn.softmax(scores, axis=-1)  # [T, K, G, L]
+    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)  # [T, K, G, S]
+    weights = jax.nn.softmax(scores, axis=-1)  # [T, K, G, S]
     out = jnp.einsum("tkgs,tskh->tkgh", weights, values)  # [T, K, G, H]
     out = jnp.where(real[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(queries.dtype)  # [T, N, H]

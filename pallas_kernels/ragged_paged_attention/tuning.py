@@ -4,7 +4,7 @@
 `[block_tokens * G, H]` query tile fills whole vregs; large enough to amortize each page copy
 over many query rows in prefill, small enough that decode-heavy steps (one token per
 sequence) do not walk many sequences per tile. `pages_per_block` pages per copy-and-compute
-step: ~128 keys per block keeps the `[rows, L]` score tile lane-dense on TPU.
+step: ~128 keys per block keeps the `[rows, S]` score tile lane-dense on TPU.
 
 The table is by page size; it has not been tuned on hardware yet (no TPU was lent to this
 project so far), the values follow the arithmetic above.

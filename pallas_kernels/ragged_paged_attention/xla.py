@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.reference import dequantize_pages
 
-# (running max [R, K, G], denominator [R, K, G], weighted sum of values [R, K, G, H])
+# Per query row (a token, or a decode sequence): running max [rows, K, G], denominator
+# [rows, K, G], weighted sum of values [rows, K, G, H].
 Stats = tuple[jax.Array, jax.Array, jax.Array]
 
 
@@ -42,11 +43,11 @@ def _empty_stats(rows: int, num_kv_heads: int, group: int, head_dim: int) -> Sta
 
 
 def _block_stats(scores: jax.Array, values: jax.Array, value_spec: str) -> Stats:
-    """Softmax statistics of one block of (already masked, -inf) scores `[R, K, G, L]`."""
-    block_max = jnp.max(scores, axis=-1)  # [R, K, G]
-    safe_max = jnp.where(jnp.isfinite(block_max), block_max, 0.0)  # [R, K, G]
-    probabilities = jnp.exp(scores - safe_max[..., None])  # [R, K, G, L]
-    weighted = jnp.einsum(value_spec, probabilities, values)  # [R, K, G, H]
+    """Softmax statistics of one block of (already masked, -inf) scores `[rows, K, G, S]`."""
+    block_max = jnp.max(scores, axis=-1)  # [rows, K, G]
+    safe_max = jnp.where(jnp.isfinite(block_max), block_max, 0.0)  # [rows, K, G]
+    probabilities = jnp.exp(scores - safe_max[..., None])  # [rows, K, G, S]
+    weighted = jnp.einsum(value_spec, probabilities, values)  # [rows, K, G, H]
     return block_max, jnp.sum(probabilities, axis=-1), weighted
 
 
@@ -54,11 +55,11 @@ def _merge(a: Stats, b: Stats) -> Stats:
     """Combines the statistics of two disjoint key sets (log-sum-exp rescaling)."""
     max_a, denominator_a, weighted_a = a
     max_b, denominator_b, weighted_b = b
-    new_max = jnp.maximum(max_a, max_b)  # [R, K, G]
+    new_max = jnp.maximum(max_a, max_b)  # [rows, K, G]
     # A side that has seen no visible key has max -inf; rescaling by exp(-inf) = 0 drops it.
     safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-    scale_a = jnp.exp(max_a - safe_max)  # [R, K, G]
-    scale_b = jnp.exp(max_b - safe_max)  # [R, K, G]
+    scale_a = jnp.exp(max_a - safe_max)  # [rows, K, G]
+    scale_b = jnp.exp(max_b - safe_max)  # [rows, K, G]
     return (new_max, denominator_a * scale_a + denominator_b * scale_b,
             weighted_a * scale_a[..., None] + weighted_b * scale_b[..., None])
 
@@ -72,7 +73,7 @@ def _soft_capped(scores: jax.Array, soft_cap: float | None) -> jax.Array:
 # of the context walk of long chunks.
 QUERY_BLOCK = 128
 # Query tokens per tile of the context walk of short multi-token sequences (up to 8 tokens:
-# a speculative step's k + 1, a short chunk).
+# a speculative step's R + 1, a short chunk).
 SHORT_QUERY_TILE = 8
 
 
@@ -96,7 +97,7 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
     Args:
         grouped: `[T, K, G, H]` scaled queries; keys, values: `[T, K, H]` this step's.
         sequence, position, real: `[T]` each token's sequence, position and realness.
-        cu_q_lens: `[S + 1]` query offsets.
+        cu_q_lens: `[Q + 1]` query offsets.
         window: Keys visible per query.
         soft_cap: Logit soft-cap, or None.
 
@@ -108,21 +109,21 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
     per_block = []
     for query_block in range(num_tokens // block):
         rows = slice(query_block * block, (query_block + 1) * block)
-        queries = grouped[rows]  # [B, K, G, H]
+        queries = grouped[rows]  # [block, K, G, H]
         first_key = cu_q_lens[sequence[query_block * block]]  # the tile's first sequence start
 
         def key_tile(key_block: jax.Array, carry: Stats, rows: slice = rows,
                      queries: jax.Array = queries) -> Stats:
             start = key_block * block
-            tile_keys = jax.lax.dynamic_slice_in_dim(keys, start, block)  # [B, K, H]
-            tile_values = jax.lax.dynamic_slice_in_dim(values, start, block)  # [B, K, H]
+            tile_keys = jax.lax.dynamic_slice_in_dim(keys, start, block)  # [block, K, H]
+            tile_values = jax.lax.dynamic_slice_in_dim(values, start, block)  # [block, K, H]
             scores = _soft_capped(jnp.einsum("tkgh,ukh->tkgu", queries, tile_keys),
-                                  soft_cap)  # [B, K, G, B]
+                                  soft_cap)  # [block, K, G, block]
             visible = _step_visible(
                 sequence[rows], position[rows], real[rows],
                 jax.lax.dynamic_slice_in_dim(sequence, start, block),
                 jax.lax.dynamic_slice_in_dim(position, start, block),
-                jax.lax.dynamic_slice_in_dim(real, start, block), window)  # [B, B]
+                jax.lax.dynamic_slice_in_dim(real, start, block), window)  # [block, block]
             scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
             return _merge(carry, _block_stats(scores, tile_values, "tkgu,ukh->tkgh"))
 
@@ -138,7 +139,7 @@ def _pages(kv_pages: jax.Array, kv_scales: jax.Array | None, index: jax.Array) -
 
 
 # Decode sequences per page walk: the walk of a group runs to its longest member's context,
-# so sorting by length and walking groups of 16 reads ~the real keys instead of S x the
+# so sorting by length and walking groups of 16 reads ~the real keys instead of Q x the
 # longest (64 sequences of 64-384 tokens: 8.8 -> 7.2 ms per layer on 2 CPU cores; smaller
 # groups pay more loop overhead than they save).
 DECODE_SEQUENCE_GROUP = 16
@@ -152,48 +153,49 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
     """Earlier keys of the decode sequences: groups of similar length walk their pages.
 
     Args:
-        kv_pages: `[P, page_size, 2K, H]` the pool.
-        kv_scales: `[P, page_size, 2K]` scales of an int8 pool, or None.
-        page_indices: `[S, pages_per_seq]` page tables.
-        decode_queries: `[S, K, G, H]` each sequence's one (scaled) query.
-        decode_context: `[S]` keys before this step (0 for non-decode sequences).
-        decode_position: `[S]` the query's position.
+        kv_pages: `[P, Z, 2K, H]` the pool.
+        kv_scales: `[P, Z, 2K]` scales of an int8 pool, or None.
+        page_indices: `[Q, pages_per_seq]` page tables.
+        decode_queries: `[Q, K, G, H]` each sequence's one (scaled) query.
+        decode_context: `[Q]` keys before this step (0 for non-decode sequences).
+        decode_position: `[Q]` the query's position.
         window: Keys visible per query.
         windowed: Whether a sliding window applies (then walks start at the window).
         soft_cap: Logit soft-cap, or None.
 
     Returns:
-        Per-sequence softmax statistics `[S, K, G(, H)]`.
+        Per-sequence softmax statistics `[Q, K, G(, H)]`.
     """
     max_seqs = page_indices.shape[0]
     page_size = kv_pages.shape[1]
     _, num_kv_heads, group, head_dim = decode_queries.shape
     group_size = min(DECODE_SEQUENCE_GROUP, max_seqs)
     num_groups = -(-max_seqs // group_size)
-    order = jnp.argsort(-decode_context, stable=True).astype(jnp.int32)  # [S] longest first
+    order = jnp.argsort(-decode_context, stable=True).astype(jnp.int32)  # [Q] longest first
     # Pad the last group with a repeat of the shortest sequence (its rows are dropped below).
     order = jnp.concatenate([order, jnp.full((num_groups * group_size - max_seqs,), order[-1],
-                                             jnp.int32)])  # [groups * Gs]
+                                             jnp.int32)])  # [num_groups * group_size]
     per_group = []
     for group_index in range(num_groups):
-        rows = order[group_index * group_size:(group_index + 1) * group_size]  # [Gs]
-        context = decode_context[rows]  # [Gs]
-        queries = decode_queries[rows]  # [Gs, K, G, H]
-        position = decode_position[rows]  # [Gs]
-        table = page_indices[rows]  # [Gs, pages_per_seq]
+        rows = order[group_index * group_size:(group_index + 1) * group_size]  # [group_size]
+        context = decode_context[rows]  # [group_size]
+        queries = decode_queries[rows]  # [group_size, K, G, H]
+        position = decode_position[rows]  # [group_size]
+        table = page_indices[rows]  # [group_size, pages_per_seq]
 
         def decode_page(page: jax.Array, carry: Stats, context: jax.Array = context,
                         queries: jax.Array = queries, position: jax.Array = position,
                         table: jax.Array = table) -> Stats:
-            block = _pages(kv_pages, kv_scales, table[:, page])  # [Gs, ps, 2K, H]
-            page_scores = _soft_capped(jnp.einsum("skgh,slkh->skgl", queries,
-                                                  block[:, :, 0::2]), soft_cap)  # [Gs,K,G,ps]
-            key_position = page * page_size + jnp.arange(page_size)  # [ps]
+            block = _pages(kv_pages, kv_scales, table[:, page])  # [group_size, Z, 2K, H]
+            page_scores = _soft_capped(jnp.einsum("qkgh,qzkh->qkgz", queries,
+                                                  block[:, :, 0::2]),
+                                       soft_cap)  # [group_size, K, G, Z]
+            key_position = page * page_size + jnp.arange(page_size)  # [Z]
             page_visible = ((key_position[None, :] < context[:, None])
                             & (position[:, None] - key_position[None, :] < window))
             page_scores = jnp.where(page_visible[:, None, None, :], page_scores, -jnp.inf)
             return _merge(carry, _block_stats(page_scores, block[:, :, 1::2],
-                                              "skgl,slkh->skgh"))
+                                              "qkgz,qzkh->qkgh"))
 
         first_page = 0 if not windowed else jnp.maximum(
             jnp.min(jnp.where(context > 0, position - window + 1, jnp.iinfo(jnp.int32).max)),
@@ -201,7 +203,7 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
         per_group.append(jax.lax.fori_loop(
             first_page, -(-jnp.max(context) // page_size), decode_page,
             _empty_stats(group_size, num_kv_heads, group, head_dim)))
-    inverse = jnp.argsort(order[:max_seqs]).astype(jnp.int32)  # [S] back to batch order
+    inverse = jnp.argsort(order[:max_seqs]).astype(jnp.int32)  # [Q] back to batch order
     return tuple(jnp.concatenate(parts)[:max_seqs][inverse]
                  for parts in zip(*per_group, strict=True))
 
@@ -223,16 +225,16 @@ def ragged_paged_attention_xla(
 
     Args:
         queries: `[T, N, H]` packed query tokens of all sequences.
-        kv_pages: `[P, page_size, 2K, H]` the page pool, keys and values interleaved; this
+        kv_pages: `[P, Z, 2K, H]` the page pool, keys and values interleaved; this
             step's keys and values must already be written.
-        kv_lens: `[S]` int32 key count of each sequence (this step's tokens included).
-        page_indices: `[S, pages_per_seq]` int32 page table of each sequence.
-        cu_q_lens: `[S + 1]` int32 query offsets.
+        kv_lens: `[Q]` int32 key count of each sequence (this step's tokens included).
+        page_indices: `[Q, pages_per_seq]` int32 page table of each sequence.
+        cu_q_lens: `[Q + 1]` int32 query offsets.
         num_seqs: `[1]` int32 number of real sequences.
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (`cap * tanh(s / cap)`), or None.
-        kv_scales: `[P, page_size, 2K]` scales of an int8 pool, or None for a float pool.
+        kv_scales: `[P, Z, 2K]` scales of an int8 pool, or None for a float pool.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -249,9 +251,9 @@ def ragged_paged_attention_xla(
                         max_seqs - 1).astype(jnp.int32)  # [T]
     real = token < cu_q_lens[num_seqs[0]]  # [T]
     position = kv_lens[sequence] - (cu_q_lens[sequence + 1] - token)  # [T]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    real_seq = jnp.arange(max_seqs) < num_seqs[0]  # [S]
-    context_lens = jnp.where(real_seq, kv_lens - q_lens, 0)  # [S] keys before this step
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [Q]
+    real_seq = jnp.arange(max_seqs) < num_seqs[0]  # [Q]
+    context_lens = jnp.where(real_seq, kv_lens - q_lens, 0)  # [Q] keys before this step
     grouped = (queries.astype(jnp.float32) * sm_scale).reshape(
         num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, H]
 
@@ -274,11 +276,11 @@ def ragged_paged_attention_xla(
         stats = _block_stats(scores, new_values, "tkgu,ukh->tkgh")
 
     # 2a. Earlier keys of decode sequences: one query row per sequence, page by page.
-    decode = real_seq & (q_lens == 1)  # [S]
-    decode_context = jnp.where(decode, context_lens, 0)  # [S]
-    last_token = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)  # [S]
-    decode_queries = grouped[last_token]  # [S, K, G, H]
-    decode_position = kv_lens - 1  # [S]
+    decode = real_seq & (q_lens == 1)  # [Q]
+    decode_context = jnp.where(decode, context_lens, 0)  # [Q]
+    last_token = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)  # [Q]
+    decode_queries = grouped[last_token]  # [Q, K, G, H]
+    decode_position = kv_lens - 1  # [Q]
 
     decode_stats = _decode_context_stats(kv_pages, kv_scales, page_indices, decode_queries,
                                          decode_context, decode_position, window,
@@ -293,12 +295,12 @@ def ragged_paged_attention_xla(
     # 2b. Earlier keys of multi-token sequences that have a context: those sequences only,
     # and of the packed tokens only their own, in query tiles (walking every page against all
     # T tokens cost T / q_len times the work: 8 chunks of 256 over 768 keys each took 18 s
-    # instead of ~1.4). Short ones (a speculative step's k + 1 tokens) take small tiles, long
+    # instead of ~1.4). Short ones (a speculative step's R + 1 tokens) take small tiles, long
     # chunks `QUERY_BLOCK` ones.
-    continued = real_seq & (q_lens > 1) & (context_lens > 0)  # [S]
+    continued = real_seq & (q_lens > 1) & (context_lens > 0)  # [Q]
 
     def walk_pages(selected: jax.Array, tile: int, carry: Stats) -> Stats:
-        order = jnp.argsort(~selected, stable=True).astype(jnp.int32)  # [S] selected first
+        order = jnp.argsort(~selected, stable=True).astype(jnp.int32)  # [Q] selected first
 
         def one_sequence(index: jax.Array, outer_carry: Stats) -> Stats:
             chosen = order[index]
@@ -308,24 +310,24 @@ def ragged_paged_attention_xla(
                 # Clamped so the slice stays in bounds; rows before `first` are masked out,
                 # and merging an all-masked row leaves its statistics exactly as they were.
                 start = jnp.minimum(first, num_tokens - tile)
-                rows = start + jnp.arange(tile)  # [B]
-                mine = (rows >= first) & (rows < cu_q_lens[chosen + 1]) & real[rows]  # [B]
-                tile_queries = jax.lax.dynamic_slice_in_dim(grouped, start, tile)  # [B,K,G,H]
-                tile_position = position[rows]  # [B]
+                rows = start + jnp.arange(tile)  # [tile]
+                mine = (rows >= first) & (rows < cu_q_lens[chosen + 1]) & real[rows]  # [tile]
+                tile_queries = jax.lax.dynamic_slice_in_dim(grouped, start, tile)  # [tile, K, G, H]
+                tile_position = position[rows]  # [tile]
 
                 def context_page(page: jax.Array, inner: Stats) -> Stats:
                     block = _pages(kv_pages, kv_scales,
-                                   page_indices[chosen, page])  # [ps, 2K, H]
+                                   page_indices[chosen, page])  # [Z, 2K, H]
                     page_scores = _soft_capped(jnp.einsum(
-                        "tkgh,lkh->tkgl", tile_queries, block[:, 0::2]), soft_cap)  # [B,K,G,ps]
-                    key_position = page * page_size + jnp.arange(page_size)  # [ps]
+                        "tkgh,zkh->tkgz", tile_queries, block[:, 0::2]), soft_cap)  # [tile,K,G,Z]
+                    key_position = page * page_size + jnp.arange(page_size)  # [Z]
                     page_visible = (
                         mine[:, None] & (key_position[None, :] < context_lens[chosen])
                         & (tile_position[:, None] - key_position[None, :] < window))
                     page_scores = jnp.where(page_visible[:, None, None, :], page_scores,
                                             -jnp.inf)
                     return _merge(inner, _block_stats(page_scores, block[:, 1::2],
-                                                      "tkgl,lkh->tkgh"))
+                                                      "tkgz,zkh->tkgh"))
 
                 tile_stats = jax.lax.fori_loop(
                     0, -(-context_lens[chosen] // page_size), context_page,
