@@ -250,3 +250,14 @@ def test_bad_flags_are_argparse_errors(capsys, argv, fragment):
         parser.parse_args(argv)
     assert exited.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_excluded_options_get_no_flag_and_are_left_out():
+    parser = argparse.ArgumentParser(prog="jaxinfer-test")
+    add_engine_arguments(parser, exclude=("max_model_len", "speculative"))
+    options = engine_options_from_args(parser.parse_args([]))
+    assert set(options) == set(option_owners()) - {"max_model_len"}
+    assert "--max-model-len" not in parser._option_string_actions
+    assert "--speculative" not in parser._option_string_actions
+    with pytest.raises(ValueError, match=r"unknown engine options in exclude: \['max_len'\]"):
+        add_engine_arguments(argparse.ArgumentParser(), exclude=("max_len",))
