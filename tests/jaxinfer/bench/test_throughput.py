@@ -102,7 +102,10 @@ def test_cli_writes_json_and_markdown(tmp_path, capsys):
     assert text.startswith("# Earlier results\n## jaxinfer bench throughput (")  # appended
     assert "jaxinfer bench throughput --model random:tiny" in text
     assert "| jaxinfer engine |" in text and "HF transformers" not in text
-    assert "- engine: page_size=16, max_num_batched_tokens=16, max_num_seqs=2" in text
+    [engine_line] = [line for line in text.splitlines() if line.startswith("- engine: ")]
+    for setting in ("page_size=16", "max_num_batched_tokens=16", "max_num_seqs=2",
+                    "enable_prompt_logprobs=False"):
+        assert setting in engine_line.removeprefix("- engine: ").split(", ")
 
 
 def test_compare_hf_without_transformers_is_a_clear_error(monkeypatch, capsys):
