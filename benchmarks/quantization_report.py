@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.bench.latency import run_latency
-from jaxinfer.bench.throughput import EngineSettings, machine_info
+from jaxinfer.bench.throughput import machine_info
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.models import Transformer
 from jaxinfer.perplexity import perplexity
@@ -89,11 +89,11 @@ def parameter_bytes(model: Transformer) -> int:
 def decode_tokens_per_second(model: Transformer, batch_sizes: tuple[int, ...],
                              kv_cache_dtype: str | None, iterations: int) -> dict[int, float]:
     """Engine decode tokens/s per batch size: B * 1000 / (ms per decode step)."""
-    settings = EngineSettings(max_num_seqs=max(batch_sizes), min_token_bucket=1,
-                              max_num_batched_tokens=max(max(batch_sizes), 32),
-                              bucket_growth=8, kv_cache_dtype=kv_cache_dtype)
+    options = dict(max_num_seqs=max(batch_sizes), min_token_bucket=1,
+                   max_num_batched_tokens=max(max(batch_sizes), 32), bucket_growth=8,
+                   kv_cache_dtype=kv_cache_dtype)
     result = run_latency(model, batch_sizes=batch_sizes, input_len=32, output_len=32,
-                         iterations=iterations, settings=settings)
+                         iterations=iterations, options=options)
     return {row["batch_size"]: row["batch_size"] * 1000.0
             / row["engine"]["decode_ms_per_token"] for row in result["rows"]}
 

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from results_file import replace_section
 
-    from jaxinfer.bench.throughput import EngineSettings, run_throughput
+    from jaxinfer.bench.throughput import run_throughput
     from jaxinfer.bench.workload import make_requests
     from jaxinfer.config import get_preset
     from jaxinfer.models import create_model
@@ -67,11 +67,10 @@ def main(argv: list[str] | None = None) -> None:
                              input_len=(16, 96), output_len=args.output_len, seed=0)
     rows, baseline = [], {}
     for label, kind, tensor, data, expert in LAYOUTS:
-        settings = EngineSettings(max_num_batched_tokens=256, max_num_seqs=16,
-                                  min_token_bucket=16, bucket_growth=4,
-                                  tensor_parallel_size=tensor, data_parallel_size=data,
-                                  expert_parallel_size=expert)
-        result = run_throughput(models[kind], requests, settings)
+        options = dict(max_num_batched_tokens=256, max_num_seqs=16, min_token_bucket=16,
+                       bucket_growth=4, tensor_parallel_size=tensor,
+                       data_parallel_size=data, expert_parallel_size=expert)
+        result = run_throughput(models[kind], requests, options)
         tokens = result["token_ids"]["engine"]
         baseline.setdefault(kind, (result, tokens))
         reference, reference_tokens = baseline[kind]

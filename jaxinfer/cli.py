@@ -32,8 +32,9 @@ import argparse
 import importlib.metadata
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 class CommandError(Exception):
@@ -133,20 +134,13 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _speculative(text: str) -> dict:
-    """Parses `--speculative` JSON into the engine's option dict (checked by the engine)."""
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"--speculative is not JSON: {error}") from None
-    if not isinstance(options, dict):
-        raise argparse.ArgumentTypeError("--speculative must be a JSON object")
-    return options
+def _add_bench_common(parser: argparse.ArgumentParser,
+                      engine_defaults: Mapping[str, Any]) -> None:
+    """Model, engine and report flags both benchmarks take. The engine flags are
+    `jaxinfer serve`'s (one builder, `add_engine_arguments`), less the two the benchmark sets
+    itself: `max_model_len` (from the workload) and `enable_prompt_logprobs` (off)."""
+    from jaxinfer.engine.config import add_engine_arguments
 
-
-def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | None,
-                      max_num_batched_tokens: int | None, min_token_bucket: int | None) -> None:
-    """Model, size, engine and report flags both benchmarks take."""
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="random:bench-30m",
                        help="HF checkpoint directory, jaxinfer checkpoint, builtin:demo or "
@@ -159,28 +153,8 @@ def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | No
                            help=f"{what} of a random:PRESET model (default: the preset's)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                        help="parameter and compute dtype (default: the model's)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    engine.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
-                        help="most running requests (largest sequence bucket)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
-                        help="token budget of a step (largest token bucket)")
-    engine.add_argument("--min-token-bucket", type=int, default=min_token_bucket,
-                        help="smallest token bucket (fewer buckets: faster warm-up)")
-    engine.add_argument("--bucket-growth", type=int, default=2,
-                        help="ratio of consecutive buckets (4: fewer programs, more padding)")
-    engine.add_argument("--enable-prefix-caching", action="store_true",
-                        help="share KV pages of identical prompt blocks (default off)")
-    engine.add_argument("--speculative", type=_speculative, default=None, metavar="JSON",
-                        help='speculative decoding, e.g. \'{"method": "ngram", "num_tokens": '
-                             '4, "max_ngram": 3}\' or \'{"method": "draft_model", "model": '
-                             '"builtin:demo-draft", "num_tokens": 3}\' (default off)')
-    parallel = parser.add_argument_group("parallelism (see jaxinfer.engine.parallel)")
-    for flag, what in (("--tensor-parallel-size", "devices the model is split over"),
-                       ("--data-parallel-size", "independent engine replicas"),
-                       ("--expert-parallel-size", "devices a MoE model's experts are split "
-                                                  "over")):
-        parallel.add_argument(flag, type=int, default=1, help=f"{what} (default 1)")
+    add_engine_arguments(parser, engine_defaults,
+                         exclude=("max_model_len", "enable_prompt_logprobs"))
     peer = parser.add_argument_group("comparison and reports")
     peer.add_argument("--compare-hf", action="store_true",
                       help="also run HF transformers generate on the same weights "
@@ -192,12 +166,11 @@ def _add_bench_common(parser: argparse.ArgumentParser, *, max_num_seqs: int | No
     peer.add_argument("--markdown", metavar="PATH", help="append a markdown report section")
 
 
-def _parallel_sizes(args: argparse.Namespace) -> dict[str, int]:
-    return {name: getattr(args, name) for name in (
-        "tensor_parallel_size", "data_parallel_size", "expert_parallel_size")}
-
-
 def _add_bench(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    # Neither module imports jax at module level, so `jaxinfer --help` stays fast.
+    from jaxinfer.bench.latency import LATENCY_DEFAULTS
+    from jaxinfer.engine.config import BENCH_DEFAULTS
+
     bench = subparsers.add_parser("bench", help="benchmark the engine (throughput, latency)",
                                   description="Benchmark the engine, optionally against HF "
                                               "transformers on the same weights.")
@@ -213,20 +186,20 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAc
                             help="output length or inclusive range")
     throughput.add_argument("--hf-batch-size", type=int, default=16,
                             help="HF static batch size")
-    _add_bench_common(throughput, max_num_seqs=64, max_num_batched_tokens=1024,
-                      min_token_bucket=64)
+    _add_bench_common(throughput, BENCH_DEFAULTS)
     throughput.set_defaults(handler=_run_bench)
     latency = kinds.add_parser(
         "latency", help="decode latency at fixed batch sizes",
         description="Per-output-token decode latency, (t(N) - t(1)) / (N - 1), and "
-                    "end-to-end latency at fixed batch sizes.")
+                    "end-to-end latency at fixed batch sizes. Unless given, --max-num-seqs "
+                    "is the largest batch and --max-num-batched-tokens holds one prompt and "
+                    "a decode of every request.")
     latency.add_argument("--batch-size", type=_batch_sizes, default=(1, 16), metavar="B[,B]",
                          help="batch sizes (default: 1,16)")
     latency.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     latency.add_argument("--output-len", type=int, default=128, help="generated tokens")
     latency.add_argument("--iterations", type=int, default=5, help="timed runs (median)")
-    _add_bench_common(latency, max_num_seqs=None, max_num_batched_tokens=None,
-                      min_token_bucket=1)
+    _add_bench_common(latency, LATENCY_DEFAULTS)
     latency.set_defaults(handler=_run_bench)
     return kinds
 
@@ -235,6 +208,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     # Imported here so that `jaxinfer --help` answers without initializing jax or torch.
     from jaxinfer.bench import hf_peer, latency, throughput
     from jaxinfer.bench.workload import make_requests
+    from jaxinfer.engine.config import engine_options_from_args
 
     try:
         if args.compare_hf:
@@ -245,34 +219,20 @@ def _run_bench(args: argparse.Namespace) -> int:
             num_layers=args.num_layers, num_heads=args.num_heads,
             num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
             dtype=dtype, param_dtype=dtype)
+        options = engine_options_from_args(args)
         if args.bench_command == "throughput":
-            settings = throughput.EngineSettings(
-                page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, min_token_bucket=args.min_token_bucket,
-                enable_prefix_caching=args.enable_prefix_caching,
-                bucket_growth=args.bucket_growth, speculative=args.speculative,
-                **_parallel_sizes(args))
             requests = make_requests(args.num_prompts, vocab_size=model.config.vocab_size,
                                      input_len=args.input_len_range,
                                      output_len=args.output_len, seed=args.seed)
-            result = throughput.run_throughput(model, requests, settings,
+            result = throughput.run_throughput(model, requests, options,
                                                compare_hf=args.compare_hf,
                                                hf_batch_size=args.hf_batch_size,
                                                hf_threads=args.hf_threads)
             table, title = throughput.throughput_table(result), "jaxinfer bench throughput"
         else:
-            max_seqs = args.max_num_seqs or max(args.batch_size)
-            settings = throughput.EngineSettings(
-                page_size=args.page_size, max_num_seqs=max_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens or max(
-                    max_seqs, latency.default_token_budget(args.batch_size, args.input_len)),
-                min_token_bucket=args.min_token_bucket,
-                enable_prefix_caching=args.enable_prefix_caching,
-                bucket_growth=args.bucket_growth, speculative=args.speculative,
-                **_parallel_sizes(args))
             result = latency.run_latency(
                 model, batch_sizes=args.batch_size, input_len=args.input_len,
-                output_len=args.output_len, iterations=args.iterations, settings=settings,
+                output_len=args.output_len, iterations=args.iterations, options=options,
                 compare_hf=args.compare_hf, hf_threads=args.hf_threads, seed=args.seed)
             table, title = latency.latency_table(result), "jaxinfer bench latency"
     except hf_peer.HFUnavailableError as error:

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxinfer.bench import hf_peer
 from jaxinfer.bench.throughput import (
-    EngineSettings,
     build_engine,
     check_lengths,
     run_engine,
@@ -30,6 +29,7 @@ from jaxinfer.bench.throughput import (
     speculative_summary,
 )
 from jaxinfer.bench.workload import BenchRequest, make_requests, with_output_len
+from jaxinfer.engine.config import BENCH_DEFAULTS
 
 if TYPE_CHECKING:
     from jaxinfer.models import Transformer
@@ -48,6 +48,27 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise ValueError(f"batch sizes {text!r}: expected positive integers like 1,16")
     return tuple(dict.fromkeys(sizes))
+
+
+# The latency benchmark's engine defaults: the throughput benchmark's, except that the batch
+# sizes size the engine (None below: see `latency_engine_options`) and the smallest token
+# bucket is 1, so a decode step of a small batch is not padded to a throughput-sized bucket.
+LATENCY_DEFAULTS: dict[str, Any] = {**BENCH_DEFAULTS, "max_num_seqs": None,
+                                    "max_num_batched_tokens": None, "min_token_bucket": 1}
+
+
+def latency_engine_options(options: Mapping[str, Any] | None, batch_sizes: Sequence[int],
+                           input_len: int) -> dict[str, Any]:
+    """`options` over `LATENCY_DEFAULTS`, with the sizes left None filled in: `max_num_seqs`
+    the largest batch, `max_num_batched_tokens` `default_token_budget` (at least
+    `max_num_seqs`)."""
+    sized = {**LATENCY_DEFAULTS, **(options or {})}
+    if sized["max_num_seqs"] is None:
+        sized["max_num_seqs"] = max(batch_sizes)
+    if sized["max_num_batched_tokens"] is None:
+        sized["max_num_batched_tokens"] = max(sized["max_num_seqs"],
+                                              default_token_budget(batch_sizes, input_len))
+    return sized
 
 
 def default_token_budget(batch_sizes: Sequence[int], input_len: int) -> int:
@@ -109,7 +130,7 @@ def time_side(run: Callable[[Sequence[BenchRequest]], float],
 
 
 def run_latency(model: Transformer, *, batch_sizes: Sequence[int], input_len: int,
-                output_len: int, iterations: int, settings: EngineSettings | None = None,
+                output_len: int, iterations: int, options: Mapping[str, Any] | None = None,
                 compare_hf: bool = False, hf_threads: int | None = None,
                 seed: int = 0) -> dict[str, Any]:
     """The latency benchmark.
@@ -120,7 +141,8 @@ def run_latency(model: Transformer, *, batch_sizes: Sequence[int], input_len: in
         input_len: Prompt length of every request.
         output_len: Tokens generated per request (N >= 2).
         iterations: Timed runs per (side, batch size, N or 1); medians are reported.
-        settings: Engine options; None sizes them for the largest batch.
+        options: Flat engine options over `LATENCY_DEFAULTS`; the sizes left out or None
+            are sized for the batches (`latency_engine_options`).
         compare_hf: Also time transformers `generate` on the same prompts and weights.
         hf_threads: torch intra-op threads (None: torch's default).
         seed: Seeds the prompts.
@@ -138,12 +160,9 @@ def run_latency(model: Transformer, *, batch_sizes: Sequence[int], input_len: in
         raise ValueError(f"output_len = {output_len}: need >= 2 to separate decode from prefill")
     if iterations < 1:
         raise ValueError(f"iterations = {iterations}: must be >= 1")
-    if settings is None:
-        settings = EngineSettings(
-            max_num_seqs=max(batch_sizes), min_token_bucket=1,
-            max_num_batched_tokens=default_token_budget(batch_sizes, input_len))
+    options = latency_engine_options(options, batch_sizes, input_len)
     hf_model = hf_peer.load_hf_peer(model, hf_threads) if compare_hf else None
-    engine = build_engine(model, settings, input_len + output_len)
+    engine = build_engine(model, options, input_len + output_len)
     warm_up_s = engine.warm_up()
     compiled_before = engine.compilations
     vocab = model.config.vocab_size
@@ -189,7 +208,7 @@ def run_latency(model: Transformer, *, batch_sizes: Sequence[int], input_len: in
         rows.append(row)
     return {"benchmark": "latency", "input_len": input_len, "output_len": output_len,
             "iterations": iterations, "batch_sizes": list(batch_sizes),
-            "engine_settings": dataclasses.asdict(settings),
+            "engine_settings": engine.config.options(),
             "engine": {"warm_up_s": warm_up_s,
                        "compilations_during_run": engine.compilations - compiled_before,
                        "programs": engine.compilations},

@@ -8,7 +8,7 @@ be 0. With `compare_hf` the same requests run through transformers `generate` in
 (`jaxinfer.bench.hf_peer`) and the report adds the engine/HF ratio of output tokens/s and how
 many requests got token-identical outputs on both sides.
 
-This module also holds what both benchmarks share: model loading, the engine settings, the
+This module also holds what both benchmarks share: model loading, the engine config, the
 two engine adapters (`submit`, `collect_finished`), machine facts and report writing.
 Nothing here imports jax or torch at module level, so the CLI stays fast to start.
 """
@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,44 +33,12 @@ from jaxinfer.bench.workload import (
     total_output_tokens,
     total_prompt_tokens,
 )
+from jaxinfer.engine.config import BENCH_DEFAULTS, EngineConfig
 
 if TYPE_CHECKING:
     from jaxinfer.engine.core import Engine
     from jaxinfer.engine.outputs import RequestOutput
     from jaxinfer.models import Transformer
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineSettings:
-    """The engine options a benchmark exposes (EngineConfig's names).
-
-    Attributes:
-        page_size: Tokens per KV page.
-        max_num_batched_tokens: Token budget of one step (the largest token bucket).
-        max_num_seqs: Most requests running at once (the largest sequence bucket).
-        min_token_bucket: The smallest token bucket; with max_num_batched_tokens and
-            max_num_seqs it fixes how many programs warm-up compiles.
-        enable_prefix_caching: Share KV pages of identical prompt blocks.
-        bucket_growth: Ratio of consecutive buckets (2 pads least, 4 compiles fewer programs).
-        speculative: The engine's `speculative` option (e.g. `{"method": "ngram",
-            "num_tokens": 4}`), or None for plain decoding.
-        kv_cache_dtype: "int8" for the quantized KV cache; None: the model's compute dtype.
-        tensor_parallel_size: Devices the model is split over (`jaxinfer.engine.parallel`).
-        data_parallel_size: Engine replicas.
-        expert_parallel_size: Devices a MoE model's experts are split over.
-    """
-
-    page_size: int = 16
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 64
-    min_token_bucket: int = 64
-    enable_prefix_caching: bool = False
-    bucket_growth: int = 2
-    speculative: dict[str, Any] | None = None
-    kv_cache_dtype: str | None = None
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    expert_parallel_size: int = 1
 
 
 def load_bench_model(model: str, **config_overrides: Any) -> Transformer:
@@ -93,22 +61,37 @@ def load_bench_model(model: str, **config_overrides: Any) -> Transformer:
     return load_model(model, **overrides)
 
 
-def build_engine(model: Transformer, settings: EngineSettings, max_model_len: int) -> Engine:
-    """An engine sized for the workload (prompt logprobs off: they double warm-up), on the
-    devices its parallel sizes ask for (a `DataParallelEngine` for several replicas)."""
-    from jaxinfer.engine import factory
-    from jaxinfer.engine.config import EngineConfig
+def bench_engine_config(options: Mapping[str, Any] | None, max_model_len: int) -> EngineConfig:
+    """The engine config a benchmark runs: `BENCH_DEFAULTS` under `options`, `max_model_len`
+    rounded up to whole pages, and prompt logprobs off (they double warm-up).
 
-    pages = -(-max_model_len // settings.page_size)
-    return factory.build_engine(model, EngineConfig.from_options(
-        page_size=settings.page_size, max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs, max_model_len=pages * settings.page_size,
-        enable_prefix_caching=settings.enable_prefix_caching, enable_prompt_logprobs=False,
-        min_token_bucket=settings.min_token_bucket, bucket_growth=settings.bucket_growth,
-        speculative=settings.speculative, kv_cache_dtype=settings.kv_cache_dtype,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        data_parallel_size=settings.data_parallel_size,
-        expert_parallel_size=settings.expert_parallel_size))
+    Args:
+        options: Flat engine options (`EngineConfig.from_options` names), e.g. from
+            `engine_options_from_args`; None takes `BENCH_DEFAULTS` alone.
+        max_model_len: The workload's longest sequence.
+
+    Raises:
+        ValueError: An invalid option, or one the benchmark sets itself (`max_model_len`,
+            `enable_prompt_logprobs`).
+    """
+    options = dict(options or {})
+    fixed = sorted(set(options) & {"max_model_len", "enable_prompt_logprobs"})
+    if fixed:
+        raise ValueError(f"engine options {fixed} are set by the benchmark (max_model_len "
+                         "from the workload; prompt logprobs off)")
+    config = EngineConfig.from_options(**{**BENCH_DEFAULTS, **options})
+    page_size = config.cache.page_size
+    return config.replace(max_model_len=-(-max_model_len // page_size) * page_size,
+                          enable_prompt_logprobs=False)
+
+
+def build_engine(model: Transformer, options: Mapping[str, Any] | None,
+                 max_model_len: int) -> Engine:
+    """An engine sized for the workload (`bench_engine_config`), on the devices its parallel
+    sizes ask for (a `DataParallelEngine` for several replicas)."""
+    from jaxinfer.engine import factory
+
+    return factory.build_engine(model, bench_engine_config(options, max_model_len))
 
 
 def speculative_summary(engine: Engine) -> dict[str, float] | None:
@@ -221,14 +204,14 @@ def agreement(requests: Sequence[BenchRequest], ours: dict[str, list[int]],
 
 
 def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
-                   settings: EngineSettings, *, compare_hf: bool = False,
+                   options: Mapping[str, Any] | None = None, *, compare_hf: bool = False,
                    hf_batch_size: int = 16, hf_threads: int | None = None) -> dict[str, Any]:
     """The throughput benchmark.
 
     Args:
         model: The model both sides run.
         requests: The workload.
-        settings: Engine options.
+        options: Flat engine options over `BENCH_DEFAULTS` (see `bench_engine_config`).
         compare_hf: Also run transformers on the same requests and weights.
         hf_batch_size: HF's static batch size.
         hf_threads: torch intra-op threads (None: torch's default).
@@ -243,7 +226,7 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         HFUnavailableError: compare_hf without torch/transformers (raised before any work).
     """
     hf_model = hf_peer.load_hf_peer(model, hf_threads) if compare_hf else None
-    engine = build_engine(model, settings, max_sequence_len(requests))
+    engine = build_engine(model, options, max_sequence_len(requests))
     warm_up_s = engine.warm_up()
     run = run_engine(engine, requests)
     result: dict[str, Any] = {
@@ -251,7 +234,7 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         "num_requests": len(requests),
         "prompt_tokens": total_prompt_tokens(requests),
         "output_tokens": total_output_tokens(requests),
-        "engine_settings": dataclasses.asdict(settings),
+        "engine_settings": engine.config.options(),
         "engine": {**rates(requests, run.elapsed_s), "warm_up_s": warm_up_s,
                    "compilations_during_run": run.compilations, "num_steps": run.num_steps,
                    "programs": engine.compilations},

@@ -23,7 +23,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from jaxinfer.config import ModelConfig
@@ -398,12 +398,19 @@ def option_owners() -> dict[str, str]:
 
 # ---------------------------------------------------------------------- command-line flags
 
-# What a server (and the benchmarks that measure it) runs with where it differs from the
-# library's defaults: more sequences and a larger step budget for many clients, and coarser
-# buckets so that warm-up compiles fewer programs. `jaxinfer serve` and `jaxinfer bench` both
-# take these, so a benchmark measures what a server runs.
+# What a server runs with where it differs from the library's defaults: more sequences and a
+# larger step budget for many clients, and coarser buckets so that warm-up compiles fewer
+# programs (`jaxinfer serve`).
 SERVING_DEFAULTS: dict[str, Any] = {"max_num_seqs": 32, "max_num_batched_tokens": 512,
                                     "min_token_bucket": 16, "bucket_growth": 4}
+
+# What `jaxinfer bench` runs with where it differs from the library's defaults. The benchmark
+# measures a throughput-oriented batch, not a server's: every request is submitted at once, so
+# a large step budget and many sequences keep the device busy, the smallest token bucket is
+# large because steps are full, and prefix caching is off so that a repeated prompt costs the
+# same on the engine and on the HF peer it is compared with.
+BENCH_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1024, "max_num_seqs": 64,
+                                  "min_token_bucket": 64, "enable_prefix_caching": False}
 
 
 def _flag_type(hint: Any) -> type:
@@ -414,7 +421,8 @@ def _flag_type(hint: Any) -> type:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser,
-                         defaults: Mapping[str, Any] | None = None) -> None:
+                         defaults: Mapping[str, Any] | None = None, *,
+                         exclude: Collection[str] = ()) -> None:
     """Adds one flag per engine option (`--max-num-seqs`, ...; vLLM's names), grouped by part.
 
     Booleans get `--name` / `--no-name`. `--speculative` takes the SpeculativeConfig as JSON.
@@ -423,15 +431,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         parser: The command's parser.
         defaults: Option defaults that differ from the config classes' (e.g.
             `SERVING_DEFAULTS`).
+        exclude: Options the command sets itself, which get no flag (a flag it ignored
+            would mislead); `engine_options_from_args` leaves them out.
+
+    Raises:
+        ValueError: An unknown option name in `defaults` or `exclude`.
     """
     defaults = dict(defaults or {})
-    unknown = sorted(set(defaults) - set(option_owners()) - {"speculative"})
+    valid = {*option_owners(), "speculative"}
+    unknown = sorted(set(defaults) - valid)
     if unknown:
         raise ValueError(f"unknown engine options in defaults: {unknown}")
+    unknown = sorted(set(exclude) - valid)
+    if unknown:
+        raise ValueError(f"unknown engine options in exclude: {unknown}")
     for part, cls in _PARTS.items():
         group = parser.add_argument_group(f"engine: {part} ({cls.__name__})")
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
+            if field.name in exclude:
+                continue
             default = defaults.get(field.name, field.default)
             flag = "--" + field.name.replace("_", "-")
             names = [flag] + [field.metadata[key] for key in ("alias", "short")
@@ -448,6 +467,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
             group.add_argument(*names, dest=field.name, type=kind, default=default,
                                choices=field.metadata.get("choices"),
                                help=text)
+    if "speculative" in exclude:
+        return
     parser.add_argument_group("engine: speculative (SpeculativeConfig)").add_argument(
         "--speculative", "--speculative-config", dest="speculative",
         default=defaults.get("speculative"), type=_speculative_flag, metavar="JSON",
@@ -463,5 +484,7 @@ def _speculative_flag(text: str) -> SpeculativeConfig | None:
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The flat engine options a parser built by `add_engine_arguments` read."""
-    return {name: getattr(args, name) for name in [*option_owners(), "speculative"]}
+    """The flat engine options a parser built by `add_engine_arguments` read (those it has
+    flags for: excluded options are left to the command)."""
+    return {name: getattr(args, name) for name in [*option_owners(), "speculative"]
+            if hasattr(args, name)}

@@ -1,4 +1,5 @@
-"""`jaxinfer generate` on checkpoints with and without tokenizer files."""
+"""`jaxinfer generate` on checkpoints with and without tokenizer files; the engine flags of
+`jaxinfer bench`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxinfer.cli import main
+from jaxinfer.bench.latency import LATENCY_DEFAULTS
+from jaxinfer.cli import build_parser, main
+from jaxinfer.engine.config import (
+    BENCH_DEFAULTS,
+    EngineConfig,
+    SpeculativeConfig,
+    engine_options_from_args,
+)
 from jaxinfer.tokenizer import load_tokenizer
 from tests.tiny_hf import hf_greedy, save_hf_model
 
@@ -101,3 +109,43 @@ def test_prompt_from_stdin_in_a_subprocess(checkpoint_with_tokenizer):
     given = subprocess.run([*command, "--prompt", "hello world"], capture_output=True,
                            text=True, check=True, timeout=300)
     assert json.loads(piped.stdout) == json.loads(given.stdout)
+
+
+# ---------------------------------------------------------------------- bench engine flags
+
+
+def _bench_options(kind, *argv):
+    return engine_options_from_args(build_parser().parse_args(["bench", kind, *argv]))
+
+
+@pytest.mark.parametrize(("kind", "defaults"), [("throughput", BENCH_DEFAULTS),
+                                                ("latency", LATENCY_DEFAULTS)])
+def test_bench_engine_defaults(kind, defaults):
+    library = EngineConfig().options()
+    del library["max_model_len"], library["enable_prompt_logprobs"]  # the bench sets these
+    assert _bench_options(kind) == {**library, **defaults}
+
+
+def test_bench_keeps_every_engine_flag_name():
+    options = _bench_options(
+        "throughput", "--page-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens",
+        "32", "--min-token-bucket", "16", "--bucket-growth", "4", "--enable-prefix-caching",
+        "--speculative", '{"method": "ngram", "num_tokens": 2, "max_ngram": 2}',
+        "--tensor-parallel-size", "2", "--data-parallel-size", "3",
+        "--expert-parallel-size", "1", "--kv-cache-dtype", "int8", "--num-pages", "99")
+    assert options == dict(
+        page_size=8, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=16,
+        bucket_growth=4, enable_prefix_caching=True,
+        speculative=SpeculativeConfig(method="ngram", num_tokens=2, max_ngram=2),
+        tensor_parallel_size=2, data_parallel_size=3, expert_parallel_size=1,
+        kv_cache_dtype="int8", num_pages=99, cache_dtype=None)
+    assert _bench_options("latency", "--no-enable-prefix-caching", "-tp", "2")[
+        "tensor_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("flag", ["--max-model-len=64", "--enable-prompt-logprobs",
+                                  "--no-prompt-logprobs"])
+def test_bench_has_no_flags_for_what_it_sets_itself(flag, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "throughput", flag])
+    assert "unrecognized arguments" in capsys.readouterr().err

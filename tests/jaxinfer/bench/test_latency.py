@@ -11,12 +11,14 @@ import time
 import pytest
 
 from jaxinfer.bench.latency import (
+    LATENCY_DEFAULTS,
     default_token_budget,
+    latency_engine_options,
     latency_table,
     parse_batch_sizes,
     run_latency,
 )
-from jaxinfer.bench.throughput import EngineSettings, load_bench_model
+from jaxinfer.bench.throughput import load_bench_model
 from jaxinfer.cli import main
 
 OUTPUT_LEN = 6
@@ -26,10 +28,10 @@ OUTPUT_LEN = 6
 def result():
     model = load_bench_model("random:tiny")
     # Tokens 16, 32 x sequences 1, 2, 4: 6 programs; a batch of 3 prefills 24 tokens at once.
-    settings = EngineSettings(max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=16)
+    options = dict(max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=16)
     started = time.perf_counter()
     result = run_latency(model, batch_sizes=(1, 3), input_len=8, output_len=OUTPUT_LEN,
-                         iterations=2, settings=settings, compare_hf=True, hf_threads=1)
+                         iterations=2, options=options, compare_hf=True, hf_threads=1)
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -99,3 +101,13 @@ def test_argument_checks(capsys):
     assert default_token_budget((1, 64), 32) == 64
     assert main(["bench", "latency", "--model", "random:tiny", "--output-len", "1"]) == 2
     assert "need >= 2" in capsys.readouterr().err
+
+
+def test_engine_sizes_left_unset_follow_the_batches():
+    sized = latency_engine_options(None, (1, 3), 40)
+    assert sized == {**LATENCY_DEFAULTS, "max_num_seqs": 3, "max_num_batched_tokens": 64}
+    given = latency_engine_options({"max_num_seqs": 128, "page_size": 8}, (1, 3), 40)
+    assert (given["max_num_seqs"], given["max_num_batched_tokens"], given["page_size"]) == (
+        128, 128, 8)  # the budget holds a decode of every running request
+    assert latency_engine_options({"max_num_batched_tokens": 16}, (2,), 40)[
+        "max_num_batched_tokens"] == 16

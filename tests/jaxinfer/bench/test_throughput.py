@@ -10,13 +10,14 @@ import time
 
 import pytest
 
-from jaxinfer.bench.throughput import EngineSettings, load_bench_model, run_throughput
+from jaxinfer.bench.throughput import bench_engine_config, load_bench_model, run_throughput
 from jaxinfer.bench.workload import make_requests
 from jaxinfer.cli import main
+from jaxinfer.engine.config import BENCH_DEFAULTS, EngineConfig
 from jaxinfer.generate import generate
 
 # Few buckets (tokens 16, 32 x sequences 1, 2, 4), so warm-up compiles 6 small programs.
-SETTINGS = EngineSettings(max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=16)
+OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=16)
 # One token bucket (16) x sequences 1, 2: prompts of up to 12 tokens take chunked prefills.
 SMALL_ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16",
                 "--min-token-bucket", "16"]
@@ -37,7 +38,7 @@ def requests(model):
 @pytest.fixture(scope="module")
 def result(model, requests):
     started = time.perf_counter()
-    result = run_throughput(model, requests, SETTINGS, compare_hf=True, hf_batch_size=2)
+    result = run_throughput(model, requests, OPTIONS, compare_hf=True, hf_batch_size=2)
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -101,7 +102,10 @@ def test_cli_writes_json_and_markdown(tmp_path, capsys):
     assert text.startswith("# Earlier results\n## jaxinfer bench throughput (")  # appended
     assert "jaxinfer bench throughput --model random:tiny" in text
     assert "| jaxinfer engine |" in text and "HF transformers" not in text
-    assert "- engine: page_size=16, max_num_batched_tokens=16, max_num_seqs=2" in text
+    [engine_line] = [line for line in text.splitlines() if line.startswith("- engine: ")]
+    for setting in ("page_size=16", "max_num_batched_tokens=16", "max_num_seqs=2",
+                    "enable_prompt_logprobs=False"):
+        assert setting in engine_line.removeprefix("- engine: ").split(", ")
 
 
 def test_compare_hf_without_transformers_is_a_clear_error(monkeypatch, capsys):
@@ -133,11 +137,29 @@ def test_cli_speculative_reports_acceptance(tmp_path, capsys):
     assert f"{spec['num_draft_tokens']} drafted" in printed
 
 
-def test_cli_rejects_bad_speculative_options(capsys):
-    with pytest.raises(SystemExit) as exited:  # argparse rejects it while parsing
-        main(["bench", "throughput", "--speculative", "[1]"])
+@pytest.mark.parametrize(("value", "fragment"), [
+    ("[1]", "must be a JSON object"),
+    ("{not json", "not JSON"),
+    ('{"method": "medusa", "num_tokens": 2}', "must be one of"),
+])
+def test_cli_rejects_bad_speculative_options(capsys, value, fragment):
+    # argparse rejects them while parsing, before any model is loaded.
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "throughput", "--model", "random:tiny", *SMALL_ENGINE,
+              "--speculative", value])
     assert exited.value.code == 2
-    assert "--speculative must be a JSON object" in capsys.readouterr().err
-    assert main(["bench", "throughput", "--model", "random:tiny", *SMALL_ENGINE,
-                 "--speculative", '{"method": "medusa", "num_tokens": 2}']) == 2
-    assert "must be one of" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "argument --speculative" in error and fragment in error
+
+
+def test_bench_engine_config_sizes_the_workload_and_keeps_prompt_logprobs_off():
+    config = bench_engine_config({"page_size": 8, "max_num_seqs": 4,
+                                  "max_num_batched_tokens": 32}, 21)
+    assert config.max_model_len == 24  # 21 tokens, rounded up to whole pages of 8
+    assert not config.compile.enable_prompt_logprobs
+    assert config.scheduler.max_num_seqs == 4
+    assert config.compile.min_token_bucket == BENCH_DEFAULTS["min_token_bucket"]
+    assert bench_engine_config(None, 16) == EngineConfig.from_options(
+        **BENCH_DEFAULTS, max_model_len=16, enable_prompt_logprobs=False)
+    with pytest.raises(ValueError, match=r"\['max_model_len'\] are set by the benchmark"):
+        bench_engine_config({"max_model_len": 64}, 16)
