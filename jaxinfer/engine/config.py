@@ -81,9 +81,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if not _positive_int(self.page_size):
-            raise _scheduler_error("block_size", self.page_size, "must be a positive integer")
+            raise _scheduler_error("page_size", self.page_size, "must be a positive integer")
         if self.num_pages is not None and not _positive_int(self.num_pages):
-            raise _scheduler_error("num_blocks", self.num_pages, "must be a positive integer")
+            raise _scheduler_error("num_pages", self.num_pages, "must be a positive integer")
         if not isinstance(self.enable_prefix_caching, bool):
             raise _scheduler_error("enable_prefix_caching", self.enable_prefix_caching,
                                    "must be a bool")
@@ -381,7 +381,7 @@ class EngineConfig:
         if num_pages - 1 < pages_per_sequence:
             # Otherwise a long request could wait forever for pages that never exist.
             raise _scheduler_error(
-                "num_blocks", num_pages,
+                "num_pages", num_pages,
                 f"must be >= {pages_per_sequence + 1}: one max_model_len = {max_model_len} "
                 f"sequence needs {pages_per_sequence} blocks of {self.cache.page_size} tokens, "
                 "plus the null block")

@@ -174,7 +174,7 @@ class Scheduler:
         needed = cache.pages_per_sequence(config.max_model_len) + 1
         if cache.num_pages < needed:
             raise SchedulerConfigError(
-                f"scheduler config field 'num_blocks' = {cache.num_pages!r}: must be >= "
+                f"scheduler config field 'num_pages' = {cache.num_pages!r}: must be >= "
                 f"{needed}: one max_model_len = {config.max_model_len} sequence needs "
                 f"{needed - 1} blocks of {cache.page_size} tokens, plus the null block")
         self.config = config

@@ -72,10 +72,10 @@ def test_unknown_options_are_listed_with_the_valid_ones():
 
 
 @pytest.mark.parametrize(("options", "error", "fragment"), [
-    # cache (the scheduler's errors use vLLM's names: block_size, num_blocks)
-    (dict(page_size=0), SchedulerConfigError, "'block_size' = 0"),
-    (dict(page_size=2.5), SchedulerConfigError, "'block_size' = 2.5"),
-    (dict(num_pages=True), SchedulerConfigError, "'num_blocks' = True"),
+    # cache
+    (dict(page_size=0), SchedulerConfigError, "'page_size' = 0"),
+    (dict(page_size=2.5), SchedulerConfigError, "'page_size' = 2.5"),
+    (dict(num_pages=True), SchedulerConfigError, "'num_pages' = True"),
     (dict(enable_prefix_caching="yes"), SchedulerConfigError,
      "'enable_prefix_caching' = 'yes': must be a bool"),
     (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype = 'fp8'"),
@@ -141,7 +141,7 @@ def test_resolved_fills_the_sizes_from_the_model():
     assert resolved.replace(max_model_len=None, num_pages=None) == config
     explicit = config.replace(max_model_len=32, num_pages=3).resolved(100)
     assert (explicit.max_model_len, explicit.num_pages) == (32, 3)
-    with pytest.raises(SchedulerConfigError, match="'num_blocks' = 2: must be >= 3"):
+    with pytest.raises(SchedulerConfigError, match="'num_pages' = 2: must be >= 3"):
         config.replace(max_model_len=32, num_pages=2).resolved(100)
 
 
