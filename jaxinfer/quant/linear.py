@@ -28,7 +28,7 @@ from flax import nnx
 from jaxinfer.models import Transformer
 from jaxinfer.models.layers import MLP
 from jaxinfer.quant.config import QuantizationConfig, WeightScheme
-from pallas_kernels.quant_matmul import QuantizedWeight, dequantize_weight, quantize_weight
+from pallas_kernels.quant_matmul import QuantizedWeight, dequantize_weight, get_format
 from pallas_kernels.quant_matmul import quantized_matmul as quantized_matmul_op
 
 
@@ -161,10 +161,8 @@ def linear_sites(model: Transformer) -> list[LinearSite]:
 
 def quantize_matrix(matrix: jax.Array, scheme: WeightScheme) -> QuantizedWeight:
     """Round-to-nearest quantization of a `[K, N]` matrix in `scheme`."""
-    if scheme.format == "int4":
-        return quantize_weight(matrix, "int4", group_size=scheme.group_size,
-                               symmetric=scheme.symmetric, bits=scheme.bits)
-    return quantize_weight(matrix, scheme.format)
+    return get_format(scheme.format).quantize(matrix, scheme.bits, scheme.group_size,
+                                              scheme.symmetric)
 
 
 def copy_model(model: Transformer) -> Transformer:
@@ -223,7 +221,7 @@ def dequantize_model(model: Transformer) -> Transformer:
     for site in linear_sites(model):
         if site.is_quantized:
             layer = site.layer
-            k = layer.values.shape[0] * (2 if layer.format == "int4" else 1)
+            k = layer.weight.shape[0]
             matrix = layer.dequantized()  # [K, N]
             input_shape = _input_shape(model, site, k)
             value = matrix.reshape(*input_shape, *layer.output_shape).astype(dtype)
@@ -251,7 +249,7 @@ def linear_weight_bytes(model: Transformer, pattern: str = r".") -> tuple[int, i
         layer = site.layer
         if isinstance(layer, QuantizedLinear):
             stored += layer.nbytes()
-            k = layer.values.shape[0] * (2 if layer.format == "int4" else 1)
+            k = layer.weight.shape[0]
             bf16 += 2 * k * math.prod(layer.output_shape)
         else:
             value = layer[...]
