@@ -20,8 +20,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import (
     cached_key_value,
     dtype_of,
-    is_quantized,
     linear_input,
+    make_linear,
     make_param,
 )
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
@@ -109,10 +109,14 @@ class Attention(nnx.Module):
         self.sliding_window = config.sliding_window
         self.config = config
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = make_param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), param_dtype)
-        self.k_proj = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.v_proj = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.o_proj = make_param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), param_dtype)
+        self.q_proj = make_linear(rngs, (d, n, h), ("embed", "q_heads", "head_dim"),
+                                  param_dtype)
+        self.k_proj = make_linear(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"),
+                                  param_dtype)
+        self.v_proj = make_linear(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"),
+                                  param_dtype)
+        self.o_proj = make_linear(rngs, (n, h, d), ("q_heads", "head_dim", "embed"),
+                                  param_dtype, input_axes=2)
         if config.attention_bias:
             zeros = jax.nn.initializers.zeros
             self.q_bias = make_param(rngs, (n, h), ("q_heads", "head_dim"), param_dtype, zeros)
@@ -121,12 +125,11 @@ class Attention(nnx.Module):
         else:
             self.q_bias = self.k_bias = self.v_bias = None
 
-    def _project(self, x: jax.Array, kernel: nnx.Param | nnx.Module,
+    def _project(self, x: jax.Array, kernel: nnx.Module | nnx.Param,
                  bias: nnx.Param | None) -> jax.Array:
-        if is_quantized(kernel):
-            out = kernel(x)  # [B, T, N|K, H]
-        else:
-            out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(self.dtype))  # [B,T,N|K,H]
+        """`[B, T, D]` through q_proj, k_proj or v_proj (a float `LinearParam` or a
+        quantized layer: both are called), plus the bias: `[B, T, N|K, H]`."""
+        out = kernel(x)  # [B, T, N|K, H]
         if bias is not None:
             out = out + bias[...].astype(self.dtype)
         return out
@@ -185,13 +188,8 @@ class Attention(nnx.Module):
         """`[B, T, N, H]` attention outputs to `[B, T, D]` through o_proj."""
         attended = linear_input(attended)  # [B, T, N, H]
         batch, length, num_heads, head_dim = attended.shape
-        if is_quantized(self.o_proj):
-            return self.o_proj(attended.reshape(batch, length, num_heads * head_dim))
-        weight = self.o_proj[...].astype(self.dtype)  # [N, H, D]
-        # One [N*H, D] matmul: contracting (n, h) as two einsum axes made XLA on CPU copy a
-        # transposed o_proj in every step.
-        return jnp.einsum("bte,ed->btd", attended.reshape(batch, length, num_heads * head_dim),
-                          weight.reshape(num_heads * head_dim, -1))  # [B, T, D]
+        # One [N*H, D] matmul (see `LinearParam`), float or quantized alike.
+        return self.o_proj(attended.reshape(batch, length, num_heads * head_dim))  # [B, T, D]
 
     def _paged(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
                cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:
