@@ -17,13 +17,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import (
-    cached_key_value,
-    dtype_of,
-    linear_input,
-    make_linear,
-    make_param,
-)
+from jaxinfer.models.hooks import ActivationHooks, cached_key_value, linear_input
+from jaxinfer.models.layers import dtype_of, make_linear, make_param
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import active_axis, constrain
 from pallas_kernels.ragged_paged_attention import (
@@ -124,6 +119,7 @@ class Attention(nnx.Module):
             self.v_bias = make_param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros)
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        self.activation_hooks: ActivationHooks | None = None  # see `jaxinfer.models.hooks`
 
     def _project(self, x: jax.Array, kernel: nnx.Module | nnx.Param,
                  bias: nnx.Param | None) -> jax.Array:
@@ -153,13 +149,13 @@ class Attention(nnx.Module):
             `([B, T, D]` outputs, the updated cache or None`)`.
         """
         inv_freq = inverse_frequencies(self.config)  # [H/2], a host constant of the config
-        x = linear_input(x)  # [B, T, D]
+        x = linear_input(self, "attention_input", x)  # [B, T, D]
         queries = apply_rope(self._project(x, self.q_proj, self.q_bias), positions,
                              inv_freq)  # [B, T, N, H]
         keys = apply_rope(self._project(x, self.k_proj, self.k_bias), positions,
                           inv_freq)  # [B, T, K, H]
         values = self._project(x, self.v_proj, self.v_bias)  # [B, T, K, H]
-        keys, values = cached_key_value(keys), cached_key_value(values)
+        keys, values = cached_key_value(self, keys), cached_key_value(self, values)
         queries = constrain(queries, ("batch", "length", "act_heads", None))
         keys = constrain(keys, ("batch", "length", "act_kv_heads", None))
         values = constrain(values, ("batch", "length", "act_kv_heads", None))
@@ -186,7 +182,7 @@ class Attention(nnx.Module):
 
     def _output_projection(self, attended: jax.Array) -> jax.Array:
         """`[B, T, N, H]` attention outputs to `[B, T, D]` through o_proj."""
-        attended = linear_input(attended)  # [B, T, N, H]
+        attended = linear_input(self, "attention_output", attended)  # [B, T, N, H]
         batch, length, num_heads, head_dim = attended.shape
         # One [N*H, D] matmul (see `LinearParam`), float or quantized alike.
         return self.o_proj(attended.reshape(batch, length, num_heads * head_dim))  # [B, T, D]

@@ -9,8 +9,7 @@ tensor as it reads it.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.hooks import ActivationHooks, linear_input
 from jaxinfer.sharding import constrain
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -113,46 +113,6 @@ def make_linear(
                           input_axes=input_axes)
 
 
-# Trace-time hooks for simulated ("fake") quantization, set by `simulated_quantization`:
-# identity when unset, so the ordinary forward pass is untouched.
-_LINEAR_INPUT_HOOK: Callable[[jax.Array], jax.Array] | None = None
-_KV_HOOK: Callable[[jax.Array], jax.Array] | None = None
-
-
-@contextlib.contextmanager
-def simulated_quantization(
-    linear_inputs: Callable[[jax.Array], jax.Array] | None = None,
-    keys_values: Callable[[jax.Array], jax.Array] | None = None,
-) -> Iterator[None]:
-    """Applies quantize-dequantize functions while a model is traced inside the block.
-
-    Args:
-        linear_inputs: Applied to the `[B, T, D|F|N, ...]` input of every linear layer inside
-            the blocks (q/k/v, o, gate/up, down; the MoE block's input).
-        keys_values: Applied to the `[B, T, K, H]` keys (after RoPE) and values of every layer.
-
-    The hooks act at trace time: jit the forward pass inside the `with` block (a function
-    jitted before will not see them).
-    """
-    global _LINEAR_INPUT_HOOK, _KV_HOOK
-    saved = _LINEAR_INPUT_HOOK, _KV_HOOK
-    _LINEAR_INPUT_HOOK, _KV_HOOK = linear_inputs, keys_values
-    try:
-        yield
-    finally:
-        _LINEAR_INPUT_HOOK, _KV_HOOK = saved
-
-
-def linear_input(x: jax.Array) -> jax.Array:
-    """`x` as a linear layer sees it: itself, or quantize-dequantized under simulation."""
-    return x if _LINEAR_INPUT_HOOK is None else _LINEAR_INPUT_HOOK(x)
-
-
-def cached_key_value(x: jax.Array) -> jax.Array:
-    """A key or value as the KV cache holds it: itself, or quantize-dequantized."""
-    return x if _KV_HOOK is None else _KV_HOOK(x)
-
-
 def dtype_of(name: str) -> jnp.dtype:
     """Maps a config dtype name ("float32", "bfloat16", ...) to a jnp dtype."""
     return jnp.dtype(name)
@@ -216,11 +176,12 @@ class MLP(nnx.Module):
         self.gate_proj = make_linear(rngs, (d, f), ("embed", "mlp"), param_dtype)
         self.up_proj = make_linear(rngs, (d, f), ("embed", "mlp"), param_dtype)
         self.down_proj = make_linear(rngs, (f, d), ("mlp", "embed"), param_dtype)
+        self.activation_hooks: ActivationHooks | None = None  # see `jaxinfer.models.hooks`
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = linear_input(x)  # [B, T, D]
+        x = linear_input(self, "mlp_input", x)  # [B, T, D]
         gate = self.gate_proj(x)  # [B, T, F]
         up = self.up_proj(x)  # [B, T, F]
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))  # [B, T, F]
-        hidden = linear_input(hidden)  # [B, T, F]
+        hidden = linear_input(self, "mlp_hidden", hidden)  # [B, T, F]
         return self.down_proj(hidden)  # [B, T, D]

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models import Transformer
-from jaxinfer.quant.calibration import INPUT_INDEX, embedding_output, positions_for, run_block
+from jaxinfer.models.hooks import SITES
+from jaxinfer.quant.calibration import INPUT_SITE, embedding_output, positions_for, run_block
 from jaxinfer.quant.config import QuantizationConfig, WeightScheme
 from jaxinfer.quant.linear import LinearSite, copy_model, linear_sites
 from pallas_kernels.quant_matmul import QuantizedWeight, WeightFormat, get_format
@@ -184,8 +185,8 @@ def gptq_quantize_model(model: Transformer, config: QuantizationConfig, windows:
     sites = linear_sites(model)
     for index, block in enumerate(model.layers):
         block_sites = [site for site in sites if site.path.startswith(f"layers.{index}.")]
-        for capture in sorted(set(INPUT_INDEX.values())):
-            group = [site for site in block_sites if INPUT_INDEX[site.name] == capture]
+        for capture in SITES:
+            group = [site for site in block_sites if INPUT_SITE[site.name] == capture]
             chosen = [(site, config.scheme_for(site.path)) for site in group]
             chosen = [(site, scheme) for site, scheme in chosen if scheme is not None]
             if not chosen:
