@@ -35,8 +35,8 @@ from train_distill.data import pack
 def score_windows(model, windows: np.ndarray, batch_size: int = 8) -> tuple[np.ndarray, ...]:
     """Next-token NLL and argmax at every position of `[W, T + 1]` windows, `[W, T]` each.
 
-    The forward pass is traced here, so a `jaxinfer.quant.simulate` block around the call
-    applies its activation and K/V quantization.
+    Pass the model a `jaxinfer.quant.simulate` block yields to score it with its activation
+    and K/V quantization (the hooks belong to that model).
     """
     graphdef, state = nnx.split(model)
 

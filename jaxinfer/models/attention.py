@@ -17,13 +17,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import (
-    cached_key_value,
-    dtype_of,
-    is_quantized,
-    linear_input,
-    make_param,
-)
+from jaxinfer.models.hooks import ActivationHooks, cached_key_value, linear_input
+from jaxinfer.models.layers import dtype_of, make_linear, make_param
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import active_axis, constrain
 from pallas_kernels.ragged_paged_attention import (
@@ -109,10 +104,14 @@ class Attention(nnx.Module):
         self.sliding_window = config.sliding_window
         self.config = config
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = make_param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), param_dtype)
-        self.k_proj = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.v_proj = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.o_proj = make_param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), param_dtype)
+        self.q_proj = make_linear(rngs, (d, n, h), ("embed", "q_heads", "head_dim"),
+                                  param_dtype)
+        self.k_proj = make_linear(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"),
+                                  param_dtype)
+        self.v_proj = make_linear(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"),
+                                  param_dtype)
+        self.o_proj = make_linear(rngs, (n, h, d), ("q_heads", "head_dim", "embed"),
+                                  param_dtype, input_axes=2)
         if config.attention_bias:
             zeros = jax.nn.initializers.zeros
             self.q_bias = make_param(rngs, (n, h), ("q_heads", "head_dim"), param_dtype, zeros)
@@ -120,13 +119,13 @@ class Attention(nnx.Module):
             self.v_bias = make_param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros)
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        self.activation_hooks: ActivationHooks | None = None  # see `jaxinfer.models.hooks`
 
-    def _project(self, x: jax.Array, kernel: nnx.Param | nnx.Module,
+    def _project(self, x: jax.Array, kernel: nnx.Module | nnx.Param,
                  bias: nnx.Param | None) -> jax.Array:
-        if is_quantized(kernel):
-            out = kernel(x)  # [B, T, N|K, H]
-        else:
-            out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(self.dtype))  # [B,T,N|K,H]
+        """`[B, T, D]` through q_proj, k_proj or v_proj (a float `LinearParam` or a
+        quantized layer: both are called), plus the bias: `[B, T, N|K, H]`."""
+        out = kernel(x)  # [B, T, N|K, H]
         if bias is not None:
             out = out + bias[...].astype(self.dtype)
         return out
@@ -150,13 +149,13 @@ class Attention(nnx.Module):
             `([B, T, D]` outputs, the updated cache or None`)`.
         """
         inv_freq = inverse_frequencies(self.config)  # [H/2], a host constant of the config
-        x = linear_input(x)  # [B, T, D]
+        x = linear_input(self, "attention_input", x)  # [B, T, D]
         queries = apply_rope(self._project(x, self.q_proj, self.q_bias), positions,
                              inv_freq)  # [B, T, N, H]
         keys = apply_rope(self._project(x, self.k_proj, self.k_bias), positions,
                           inv_freq)  # [B, T, K, H]
         values = self._project(x, self.v_proj, self.v_bias)  # [B, T, K, H]
-        keys, values = cached_key_value(keys), cached_key_value(values)
+        keys, values = cached_key_value(self, keys), cached_key_value(self, values)
         queries = constrain(queries, ("batch", "length", "act_heads", None))
         keys = constrain(keys, ("batch", "length", "act_kv_heads", None))
         values = constrain(values, ("batch", "length", "act_kv_heads", None))
@@ -183,15 +182,10 @@ class Attention(nnx.Module):
 
     def _output_projection(self, attended: jax.Array) -> jax.Array:
         """`[B, T, N, H]` attention outputs to `[B, T, D]` through o_proj."""
-        attended = linear_input(attended)  # [B, T, N, H]
+        attended = linear_input(self, "attention_output", attended)  # [B, T, N, H]
         batch, length, num_heads, head_dim = attended.shape
-        if is_quantized(self.o_proj):
-            return self.o_proj(attended.reshape(batch, length, num_heads * head_dim))
-        weight = self.o_proj[...].astype(self.dtype)  # [N, H, D]
-        # One [N*H, D] matmul: contracting (n, h) as two einsum axes made XLA on CPU copy a
-        # transposed o_proj in every step.
-        return jnp.einsum("bte,ed->btd", attended.reshape(batch, length, num_heads * head_dim),
-                          weight.reshape(num_heads * head_dim, -1))  # [B, T, D]
+        # One [N*H, D] matmul (see `LinearParam`), float or quantized alike.
+        return self.o_proj(attended.reshape(batch, length, num_heads * head_dim))  # [B, T, D]
 
     def _paged(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
                cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:

@@ -9,14 +9,15 @@ tensor as it reads it.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.hooks import ActivationHooks, linear_input
 from jaxinfer.sharding import constrain
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -41,62 +42,75 @@ def make_param(
         dtype: Storage dtype.
         init: Initializer; defaults to a normal with stddev DEFAULT_INIT_STDDEV.
     """
+    return _make_variable(nnx.Param, rngs, shape, logical_axes, dtype, init)
+
+
+def _make_variable(variable_type: type[nnx.Param], rngs: nnx.Rngs, shape: Sequence[int],
+                   logical_axes: Sequence[str | None], dtype: jnp.dtype,
+                   init: Initializer | None, **metadata: Any) -> nnx.Param:
     if len(shape) != len(logical_axes):
         raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(logical_axes)} differ")
     init = init or jax.nn.initializers.normal(DEFAULT_INIT_STDDEV)
     value = init(rngs.params(), tuple(shape), dtype)
     # eager_sharding=False: placement is decided once for the whole model, with divisibility
     # checks, by the factory or the loader, not by each variable as it is born.
-    return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
+    return variable_type(value, out_sharding=tuple(logical_axes), eager_sharding=False,
+                         **metadata)
 
 
-# Trace-time hooks for simulated ("fake") quantization, set by `simulated_quantization`:
-# identity when unset, so the ordinary forward pass is untouched.
-_LINEAR_INPUT_HOOK: Callable[[jax.Array], jax.Array] | None = None
-_KV_HOOK: Callable[[jax.Array], jax.Array] | None = None
+class LinearParam(nnx.Param):
+    """A float linear weight `[*inputs, *outputs]` that multiplies activations by itself.
+
+    `weight(x)` maps `[..., K]` activations (K the product of the input axes) to
+    `[..., *outputs]`, in the activations' dtype, the same call as the quantized layers of
+    `jaxinfer.quant` (`QuantizedLinear`), so the forward calls whatever weight sits at a
+    projection and never asks which kind it is. It is still an `nnx.Param` at the same
+    place in the state: checkpoints, sharding rules and optimizers see the same path, shape
+    and logical axes as before.
+
+    Metadata `input_axes` (default 1) says how many leading axes are input features: 2 for
+    o_proj's `[N, H, D]`, which multiplies `[..., N * H]` activations as one `[N * H, D]`
+    matmul (contracting (n, h) as two axes made XLA on CPU copy a transposed o_proj every
+    step).
+    """
+
+    def __call__(self, x: jax.Array, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
+        """`[..., K]` activations times the weight: `[..., *outputs]`.
+
+        Args:
+            x: `[..., K]` activations; the weight is cast to their dtype.
+            out_dtype: Accumulate and return in this dtype (e.g. float32 logits); default
+                the activations' dtype.
+        """
+        weight = self[...].astype(x.dtype)  # [*inputs, *outputs]
+        input_axes = self.get_metadata("input_axes", 1)
+        if input_axes > 1:
+            weight = weight.reshape(-1, *weight.shape[input_axes:])  # [K, *outputs]
+        return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())),
+                                   preferred_element_type=out_dtype)  # [..., *outputs]
 
 
-@contextlib.contextmanager
-def simulated_quantization(
-    linear_inputs: Callable[[jax.Array], jax.Array] | None = None,
-    keys_values: Callable[[jax.Array], jax.Array] | None = None,
-) -> Iterator[None]:
-    """Applies quantize-dequantize functions while a model is traced inside the block.
+def make_linear(
+    rngs: nnx.Rngs,
+    shape: Sequence[int],
+    logical_axes: Sequence[str | None],
+    dtype: jnp.dtype,
+    *,
+    input_axes: int = 1,
+    init: Initializer | None = None,
+) -> LinearParam:
+    """Creates a float linear weight (`LinearParam`) tagged with its logical axes.
 
     Args:
-        linear_inputs: Applied to the `[B, T, D|F|N, ...]` input of every linear layer inside
-            the blocks (q/k/v, o, gate/up, down; the MoE block's input).
-        keys_values: Applied to the `[B, T, K, H]` keys (after RoPE) and values of every layer.
-
-    The hooks act at trace time: jit the forward pass inside the `with` block (a function
-    jitted before will not see them).
+        rngs: Random streams; the `params` stream is used.
+        shape: `[*inputs, *outputs]`.
+        logical_axes: One logical axis name per dimension.
+        dtype: Storage dtype.
+        input_axes: How many leading axes of `shape` are input features.
+        init: Initializer; defaults to a normal with stddev DEFAULT_INIT_STDDEV.
     """
-    global _LINEAR_INPUT_HOOK, _KV_HOOK
-    saved = _LINEAR_INPUT_HOOK, _KV_HOOK
-    _LINEAR_INPUT_HOOK, _KV_HOOK = linear_inputs, keys_values
-    try:
-        yield
-    finally:
-        _LINEAR_INPUT_HOOK, _KV_HOOK = saved
-
-
-def linear_input(x: jax.Array) -> jax.Array:
-    """`x` as a linear layer sees it: itself, or quantize-dequantized under simulation."""
-    return x if _LINEAR_INPUT_HOOK is None else _LINEAR_INPUT_HOOK(x)
-
-
-def cached_key_value(x: jax.Array) -> jax.Array:
-    """A key or value as the KV cache holds it: itself, or quantize-dequantized."""
-    return x if _KV_HOOK is None else _KV_HOOK(x)
-
-
-def is_quantized(weight: nnx.Variable | nnx.Module) -> bool:
-    """Whether a weight attribute holds a quantized linear layer instead of a float parameter.
-
-    `jaxinfer.quant` replaces a projection's parameter with a module (`QuantizedLinear`)
-    that maps `[..., K]` inputs to the parameter's output axes; the forward calls it then.
-    """
-    return not isinstance(weight, nnx.Variable)
+    return _make_variable(LinearParam, rngs, shape, logical_axes, dtype, init,
+                          input_axes=input_axes)
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -159,20 +173,15 @@ class MLP(nnx.Module):
         param_dtype = dtype_of(config.param_dtype)
         self.dtype = dtype_of(config.dtype)
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), param_dtype)
-        self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), param_dtype)
-        self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), param_dtype)
+        self.gate_proj = make_linear(rngs, (d, f), ("embed", "mlp"), param_dtype)
+        self.up_proj = make_linear(rngs, (d, f), ("embed", "mlp"), param_dtype)
+        self.down_proj = make_linear(rngs, (f, d), ("mlp", "embed"), param_dtype)
+        self.activation_hooks: ActivationHooks | None = None  # see `jaxinfer.models.hooks`
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = linear_input(x)  # [B, T, D]
-        gate = self._project("btd,df->btf", x, self.gate_proj)  # [B, T, F]
-        up = self._project("btd,df->btf", x, self.up_proj)  # [B, T, F]
+        x = linear_input(self, "mlp_input", x)  # [B, T, D]
+        gate = self.gate_proj(x)  # [B, T, F]
+        up = self.up_proj(x)  # [B, T, F]
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))  # [B, T, F]
-        hidden = linear_input(hidden)  # [B, T, F]
-        return self._project("btf,fd->btd", hidden, self.down_proj)  # [B, T, D]
-
-    def _project(self, equation: str, x: jax.Array, weight: nnx.Param | nnx.Module
-                 ) -> jax.Array:
-        if is_quantized(weight):
-            return weight(x)
-        return jnp.einsum(equation, x, weight[...].astype(self.dtype))
+        hidden = linear_input(self, "mlp_hidden", hidden)  # [B, T, F]
+        return self.down_proj(hidden)  # [B, T, D]

@@ -13,7 +13,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import dtype_of, linear_input, make_param
+from jaxinfer.models.hooks import ActivationHooks, linear_input
+from jaxinfer.models.layers import dtype_of, make_linear, make_param
 from jaxinfer.sharding import active_axis
 from pallas_kernels.moe import moe_ffn, moe_ffn_local_experts, route_top_k
 
@@ -28,16 +29,16 @@ class MoEBlock(nnx.Module):
         self.top_k = config.num_experts_per_token
         self.implementation = implementation
         e, d, f = config.num_experts, config.hidden_size, config.intermediate_size
-        self.router = make_param(rngs, (d, e), ("embed", None), param_dtype)
+        self.router = make_linear(rngs, (d, e), ("embed", None), param_dtype)
         self.gate_proj = make_param(rngs, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
         self.up_proj = make_param(rngs, (e, d, f), ("expert", "embed", "mlp"), param_dtype)
         self.down_proj = make_param(rngs, (e, f, d), ("expert", "mlp", "embed"), param_dtype)
+        self.activation_hooks: ActivationHooks | None = None  # see `jaxinfer.models.hooks`
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape
-        tokens = linear_input(x).reshape(batch * length, width)  # [M, D]
-        router_logits = jnp.einsum("md,de->me", tokens, self.router[...].astype(self.dtype),
-                                   preferred_element_type=jnp.float32)  # [M, E]
+        tokens = linear_input(self, "mlp_input", x).reshape(batch * length, width)  # [M, D]
+        router_logits = self.router(tokens, out_dtype=jnp.float32)  # [M, E]
         gate, up, down = (weight[...].astype(self.dtype)
                           for weight in (self.gate_proj, self.up_proj, self.down_proj))
         expert_axis, mlp_axis = active_axis("expert"), active_axis("mlp")

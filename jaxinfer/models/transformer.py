@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import Attention, LayerCache, PagedBatch, PagedLayerCache
-from jaxinfer.models.layers import MLP, Embedding, dtype_of, is_quantized, make_norm, make_param
+from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_linear, make_norm
 from jaxinfer.models.moe import MoEBlock
 from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
 
@@ -124,24 +124,24 @@ class Transformer(nnx.Module):
         if config.embedding_projection:
             orthogonal = jax.nn.initializers.orthogonal()
             d = config.hidden_size
-            self.input_projection = make_param(rngs, (d, d), ("embed", None), param_dtype,
-                                               orthogonal)
-            self.output_projection = make_param(rngs, (d, d), ("embed", None), param_dtype,
-                                                orthogonal)
+            self.input_projection = make_linear(rngs, (d, d), ("embed", None), param_dtype,
+                                                init=orthogonal)
+            self.output_projection = make_linear(rngs, (d, d), ("embed", None), param_dtype,
+                                                 init=orthogonal)
         else:
             self.input_projection = self.output_projection = None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = make_param(rngs, (config.hidden_size, config.vocab_size),
-                                      ("embed", "vocab"), param_dtype)
+            self.lm_head = make_linear(rngs, (config.hidden_size, config.vocab_size),
+                                       ("embed", "vocab"), param_dtype)
 
     def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
         """`[B, T]` token ids to the `[B, T, D]` residual stream entering the first block
         (the embedding, then OSP's input projection if the model has one)."""
         x = self.embed(token_ids)  # [B, T, D]
         if self.input_projection is not None:
-            x = jnp.einsum("btd,de->bte", x, self.input_projection[...].astype(x.dtype))
+            x = self.input_projection(x)  # [B, T, D]
         return constrain(x, ("batch", "length", "act_embed"))  # [B, T, D]
 
     def hidden_states(
@@ -179,19 +179,15 @@ class Transformer(nnx.Module):
         if intermediates is not None:
             intermediates.append(x)
         if self.output_projection is not None:
-            x = jnp.einsum("btd,de->bte", x, self.output_projection[...].astype(x.dtype))
+            x = self.output_projection(x)  # [B, T, D]
         return x, _rebuild_cache(cache, new_layers)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Projects `[B, T, D]` hidden states to `[B, T, V]` float32 logits."""
-        if self.lm_head is None:
+        if self.lm_head is None:  # tied: the embedding table is the head
             logits = self.embed.attend(hidden)  # [B, T, V]
-        elif is_quantized(self.lm_head):
-            logits = self.lm_head(hidden).astype(jnp.float32)  # [B, T, V]
         else:
-            weight = self.lm_head[...].astype(hidden.dtype)  # [D, V]
-            logits = jnp.einsum("btd,dv->btv", hidden, weight,
-                                preferred_element_type=jnp.float32)  # [B, T, V]
+            logits = self.lm_head(hidden, out_dtype=jnp.float32)  # [B, T, V]
         return constrain(logits, ("batch", "length", "act_vocab"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None,

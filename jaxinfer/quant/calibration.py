@@ -1,17 +1,16 @@
 """Calibration data for GPTQ and SmoothQuant: token windows, and the inputs of each linear.
 
-The inputs are captured with the model's own linear-input hook
-(`jaxinfer.models.layers.simulated_quantization`), which every block calls on the input of
-each group of linear layers, in forward order:
+The inputs are captured by the model's own forward: a block copy with capturing
+activation hooks (`jaxinfer.models.hooks`) sows the input of each group of linear layers,
+named by its site, in forward order:
 
-    0: attention input       [B, T, D]     -> q_proj, k_proj, v_proj
-    1: attention output      [B, T, N, H]  -> o_proj
-    2: MLP input             [B, T, D]     -> gate_proj, up_proj
-    3: SwiGLU hidden         [B, T, F]     -> down_proj
+    "attention_input"   [B, T, D]     -> q_proj, k_proj, v_proj
+    "attention_output"  [B, T, N, H]  -> o_proj
+    "mlp_input"         [B, T, D]     -> gate_proj, up_proj
+    "mlp_hidden"        [B, T, F]     -> down_proj
 
-so no forward code is duplicated here. The hook acts while a function is traced, so each
-block run is jitted with the recording hook inside its own trace and the captured inputs
-are outputs of that program.
+so no forward code is duplicated here. Each block run is jitted; the sown inputs are popped
+inside the same trace and returned as outputs of that program.
 """
 
 from __future__ import annotations
@@ -25,12 +24,14 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.models import Transformer
-from jaxinfer.models.layers import MLP, simulated_quantization
+from jaxinfer.models.hooks import CAPTURE, SITES, capture_linear_inputs, with_activation_hooks
+from jaxinfer.models.layers import MLP
 from jaxinfer.models.transformer import DecoderBlock
 
 # Which captured input (see the module docstring) feeds each projection of a block.
-INPUT_INDEX = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2,
-               "up_proj": 2, "down_proj": 3}
+INPUT_SITE = {"q_proj": "attention_input", "k_proj": "attention_input",
+              "v_proj": "attention_input", "o_proj": "attention_output",
+              "gate_proj": "mlp_input", "up_proj": "mlp_input", "down_proj": "mlp_hidden"}
 
 
 def calibration_windows(token_ids: Sequence[int] | np.ndarray, window: int,
@@ -62,9 +63,9 @@ def embedding_output(model: Transformer, token_ids: jax.Array) -> jax.Array:
 
 
 def run_block(block: DecoderBlock, x: jax.Array, positions: jax.Array
-              ) -> tuple[jax.Array, list[jax.Array]]:
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs one block without a cache; returns its `[B, T, D]` output and its four captured
-    linear inputs (see the module docstring), each flattened to `[B * T, K]`.
+    linear inputs by site (see the module docstring), each flattened to `[B * T, K]`.
 
     Jitted per block structure: blocks at the same stage of quantization share one program.
 
@@ -73,32 +74,27 @@ def run_block(block: DecoderBlock, x: jax.Array, positions: jax.Array
     """
     if not isinstance(block.mlp, MLP):
         raise ValueError("calibration captures dense blocks only; MoE experts stay float")
-    graphdef, state = nnx.split(block)
+    graphdef, state = nnx.split(with_activation_hooks(block, CAPTURE))
     return _run_block(graphdef, state, x, positions)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _run_block(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, positions: jax.Array
-               ) -> tuple[jax.Array, list[jax.Array]]:
-    # The hook is read while this function is traced, and the captured values are outputs
-    # of the same trace, so capturing works under jit.
-    captured: list[jax.Array] = []
-
-    def record(inputs: jax.Array) -> jax.Array:
-        captured.append(inputs)
-        return inputs
-
-    with simulated_quantization(linear_inputs=record):
-        out, _ = nnx.merge(graphdef, state)(x, positions, None)  # [B, T, D]
-    if len(captured) != len(set(INPUT_INDEX.values())):
-        raise ValueError(f"expected 4 linear inputs from a block, captured {len(captured)}")
-    flat = [inputs.reshape(-1, int(np.prod(inputs.shape[2:]))) for inputs in captured]
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    (out, _), captured = capture_linear_inputs(nnx.merge(graphdef, state), x, positions,
+                                               None)  # [B, T, D], site -> [B, T, ...]
+    if set(captured) != set(SITES):
+        raise ValueError(f"expected the linear inputs {SITES} from a block, captured "
+                         f"{sorted(captured)}")
+    flat = {site: inputs.reshape(-1, int(np.prod(inputs.shape[2:])))
+            for site, inputs in captured.items()}
     return out, flat  # [B, T, D], 4 x [B * T, K]
 
 
-def collect_block_inputs(model: Transformer, windows: np.ndarray) -> list[list[jax.Array]]:
-    """Per block, its four captured `[B * T, K]` linear inputs on the calibration windows,
-    each block fed by the previous block's output (of `model` as it is)."""
+def collect_block_inputs(model: Transformer, windows: np.ndarray
+                         ) -> list[dict[str, jax.Array]]:
+    """Per block, its four captured `[B * T, K]` linear inputs by site on the calibration
+    windows, each block fed by the previous block's output (of `model` as it is)."""
     token_ids = jnp.asarray(windows)  # [B, T]
     positions = positions_for(token_ids)  # [B, T]
     x = embedding_output(model, token_ids)  # [B, T, D]

@@ -21,6 +21,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from pallas_kernels.quant_matmul import get_format
+
 METHODS = ("rtn", "gptq", "smoothquant")
 
 
@@ -28,13 +30,17 @@ METHODS = ("rtn", "gptq", "smoothquant")
 class WeightScheme:
     """How one weight is stored.
 
+    The format's registry entry (`pallas_kernels.quant_matmul.formats`) says which bits,
+    group sizes and zero points it holds.
+
     Attributes:
-        format: "int8" (weight-only, per output channel), "int4" (group-wise, nibble-packed;
-            also holds 3- and 2-bit grids) or "w8a8" (int8 weights and per-token int8
-            activations).
+        format: A registered format: "int8" (weight-only, per output channel), "int4"
+            (group-wise, nibble-packed; also holds 3- and 2-bit grids), "w8a8" (int8
+            weights and per-token int8 activations), or one registered later.
         bits: 8 for the int8 formats; 4, 3 or 2 for "int4".
-        group_size: Input rows per scale for "int4"; None for the per-channel formats.
-        symmetric: False stores a zero point per group ("int4" only).
+        group_size: Input rows per scale for grouped formats ("int4"); None for the
+            per-channel ones.
+        symmetric: False stores zero points (formats that hold them: "int4").
     """
 
     format: str
@@ -43,22 +49,7 @@ class WeightScheme:
     symmetric: bool = True
 
     def __post_init__(self) -> None:
-        if self.format not in ("int8", "int4", "w8a8"):
-            raise ValueError(f"unknown weight format {self.format!r}; "
-                             "known: int8, int4, w8a8")
-        if self.format == "int4":
-            if self.bits not in (2, 3, 4):
-                raise ValueError(f"int4 storage holds 2 to 4 bits, got bits={self.bits}")
-            if not self.group_size or self.group_size % 2:
-                raise ValueError(f"int4 needs an even group_size, got {self.group_size}")
-        else:
-            if self.bits != 8:
-                raise ValueError(f"{self.format} weights are 8-bit, got bits={self.bits}")
-            if not self.symmetric:
-                raise ValueError(f"{self.format} weights are symmetric only")
-            if self.group_size is not None:
-                raise ValueError(f"{self.format} has one scale per output channel; "
-                                 f"group_size must be None, got {self.group_size}")
+        get_format(self.format).check_options(self.bits, self.group_size, self.symmetric)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.models import Transformer
-from jaxinfer.models.layers import simulated_quantization
+from jaxinfer.models.hooks import ActivationHooks, with_activation_hooks
 
 # Clipping ratios tried by the MSE search (1.0 = no clipping).
 CLIP_RATIOS = tuple(1.0 - 0.05 * step for step in range(11))  # 1.0, 0.95, ..., 0.5
@@ -140,9 +140,11 @@ PROTOCOLS = {
 
 @contextlib.contextmanager
 def simulate(model: Transformer, protocol: QuantizationProtocol) -> Iterator[Transformer]:
-    """Yields the weight-quantized model; activations and K/V are quantized while inside.
+    """Yields a weight-quantized copy of `model` whose forward also quantizes activations
+    and K/V (`jaxinfer.models.hooks`); `model` itself is unchanged.
 
-    Jit (trace) the forward pass inside the block for the activation hooks to apply.
+    The hooks belong to the yielded model, so it may be jitted anywhere (inside the block or
+    after); the block only scopes the copy.
     """
     quantized = (model if protocol.weight_bits is None else
                  quantize_model_weights(model, protocol.weight_bits, protocol.clip_search))
@@ -150,5 +152,4 @@ def simulate(model: Transformer, protocol: QuantizationProtocol) -> Iterator[Tra
                    lambda x: quantize_asymmetric(x, protocol.activation_bits))
     keys_values = (None if protocol.kv_bits is None else
                    lambda x: quantize_asymmetric(x, protocol.kv_bits, protocol.kv_group_size))
-    with simulated_quantization(activations, keys_values):
-        yield quantized
+    yield with_activation_hooks(quantized, ActivationHooks(activations, keys_values))

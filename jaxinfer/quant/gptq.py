@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models import Transformer
-from jaxinfer.quant.calibration import INPUT_INDEX, embedding_output, positions_for, run_block
+from jaxinfer.models.hooks import SITES
+from jaxinfer.quant.calibration import INPUT_SITE, embedding_output, positions_for, run_block
 from jaxinfer.quant.config import QuantizationConfig, WeightScheme
 from jaxinfer.quant.linear import LinearSite, copy_model, linear_sites
-from pallas_kernels.quant_matmul import QuantizedWeight, reference
+from pallas_kernels.quant_matmul import QuantizedWeight, WeightFormat, get_format
 
 # Called after each layer with (site, its [M, K] calibration inputs, the float [K, N]
 # weight, the GPTQ QuantizedWeight): lets tests and reports measure per-layer errors.
@@ -56,21 +57,20 @@ def hessian(inputs: jax.Array) -> np.ndarray:
 def _group_parameters(current: np.ndarray, scheme: WeightScheme
                       ) -> tuple[np.ndarray, np.ndarray | None]:
     """Scale `[N]` (and signed zero point `[N]`) of one group's current `[g, N]` weights,
-    by the same rule as round-to-nearest (`pallas_kernels.quant_matmul.reference`)."""
-    if scheme.format == "int4":
-        scales, zeros = reference.grouped_quantization_parameters(
-            jnp.asarray(current[None], jnp.float32), scheme.bits,
-            symmetric=scheme.symmetric)  # [1, N] each
-        return (np.asarray(scales[0], np.float64),
-                None if zeros is None else np.asarray(zeros[0], np.float64))
-    _, scales = reference.quantize_int8_per_channel(jnp.asarray(current, jnp.float32))
-    return np.asarray(scales, np.float64), None  # [N]
+    by the same rule as round-to-nearest (the format's `grid_parameters`)."""
+    scales, zeros = _grid(scheme).grid_parameters(
+        jnp.asarray(current[None], jnp.float32), scheme.bits,
+        scheme.symmetric)  # [1, N] each
+    return (np.asarray(scales[0], np.float64),
+            None if zeros is None else np.asarray(zeros[0], np.float64))
 
 
-def _levels(scheme: WeightScheme) -> tuple[int, int]:
-    if scheme.format == "int4":
-        return reference.int4_levels(scheme.bits, scheme.symmetric)
-    return -reference.INT8_MAX, reference.INT8_MAX
+def _grid(scheme: WeightScheme) -> WeightFormat:
+    """The scheme's format, which must be on an integer grid for GPTQ to round onto it."""
+    weight_format = get_format(scheme.format)
+    if weight_format.levels is None:
+        raise ValueError(f"GPTQ needs an integer-grid format; {scheme.format} has none")
+    return weight_format
 
 
 def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
@@ -81,8 +81,9 @@ def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
     Args:
         weight: `[K, N]` float weight.
         hessian_matrix: `[K, K]` `2/M X^T X` of the layer's calibration inputs.
-        scheme: Target format: "int8"/"w8a8" (one scale per output channel: the whole K is
-            one group) or "int4" with `bits` and `group_size`.
+        scheme: Target format, any with an integer grid in the registry: "int8"/"w8a8"
+            (one scale per output channel: the whole K is one group) or "int4" with `bits`
+            and `group_size`.
         damping: Fraction of the mean diagonal added to the diagonal.
         block_size: Inputs per lazy-batch block.
         act_order: Process inputs by descending Hessian diagonal.
@@ -96,7 +97,8 @@ def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
     w = np.asarray(weight, np.float64).T.copy()  # [N, K]: the paper's layout
     h = np.array(hessian_matrix, np.float64)  # [K, K]
     n, k = w.shape
-    group_size = scheme.group_size if scheme.format == "int4" else k
+    weight_format = _grid(scheme)
+    group_size = weight_format.group_rows(k, scheme.group_size)
     if k % group_size:
         raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
     dead = np.diag(h) == 0  # [K]
@@ -107,11 +109,10 @@ def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
     w, h = w[:, order], h[order][:, order]
     h[np.diag_indices(k)] += damping * np.mean(np.diag(h))
     upper = np.linalg.cholesky(np.linalg.inv(h)).T  # [K, K], H^-1 = U^T U
-    lowest, highest = _levels(scheme)
+    lowest, highest = weight_format.levels(scheme.bits, scheme.symmetric)
     num_groups = k // group_size
     scales = np.zeros((num_groups, n))  # [G, N]
-    zeros = np.zeros((num_groups, n)) if scheme.format == "int4" and not scheme.symmetric \
-        else None  # [G, N]
+    zeros = None if scheme.symmetric else np.zeros((num_groups, n))  # [G, N]
     has_parameters = np.zeros(num_groups, bool)
     values = np.zeros((n, k))  # [N, K] integer levels, processing order
     for start in range(0, k, block_size):
@@ -150,13 +151,10 @@ def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
 def _as_quantized_weight(levels: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
                          scheme: WeightScheme) -> QuantizedWeight:
     """`[K, N]` integer levels with `[G, N]` scales (zeros) in the scheme's storage."""
-    if scheme.format != "int4":
-        return QuantizedWeight(scheme.format, jnp.asarray(levels),
-                               jnp.asarray(scales[0], jnp.float32))
-    packed = reference.pack_int4(jnp.asarray(levels))  # [K // 2, N]
-    return QuantizedWeight("int4", packed, jnp.asarray(scales, jnp.float32),
-                           None if zeros is None else jnp.asarray(zeros, jnp.int8),
-                           scheme.group_size, scheme.bits)
+    return get_format(scheme.format).from_levels(
+        jnp.asarray(levels), jnp.asarray(scales, jnp.float32),
+        None if zeros is None else jnp.asarray(zeros, jnp.int8), scheme.group_size,
+        scheme.bits)
 
 
 def gptq_quantize_model(model: Transformer, config: QuantizationConfig, windows: np.ndarray,
@@ -187,8 +185,8 @@ def gptq_quantize_model(model: Transformer, config: QuantizationConfig, windows:
     sites = linear_sites(model)
     for index, block in enumerate(model.layers):
         block_sites = [site for site in sites if site.path.startswith(f"layers.{index}.")]
-        for capture in sorted(set(INPUT_INDEX.values())):
-            group = [site for site in block_sites if INPUT_INDEX[site.name] == capture]
+        for capture in SITES:
+            group = [site for site in block_sites if INPUT_SITE[site.name] == capture]
             chosen = [(site, config.scheme_for(site.path)) for site in group]
             chosen = [(site, scheme) for site, scheme in chosen if scheme is not None]
             if not chosen:

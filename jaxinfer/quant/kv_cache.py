@@ -7,8 +7,8 @@ symmetric absmax / 127 over head_dim (`pallas_kernels.ragged_paged_attention
 values, so the reference `generate` (contiguous cache) can run with exactly the precision
 the engine's cache keeps:
 
-    with simulated_quantization(keys_values=int8_round_trip):
-        generate(model, prompts, ...)
+    rounded = with_activation_hooks(model, ActivationHooks(keys_values=int8_round_trip))
+    generate(rounded, prompts, ...)
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Quantized linear layers, where they sit in a model, and round-to-nearest quantization of it.
 
-The model's projections are plain parameters (`attention.q_proj` is a `[D, N, H]` nnx.Param).
+The model's projections are float linear parameters (`attention.q_proj` is a `[D, N, H]`
+`jaxinfer.models.layers.LinearParam`, which the forward calls: `self.q_proj(x)`).
 Quantizing one replaces that attribute with a `QuantizedLinear` module holding a
 `pallas_kernels.quant_matmul.QuantizedWeight` of the flattened `[K, N]` matrix
-(`[D, N * H]` for q_proj, `[N * H, D]` for o_proj); the model's forward sees a module
-instead of a parameter (`jaxinfer.models.layers.is_quantized`) and calls it, and the layer
-calls `quantized_matmul`, so `pallas_kernels.dispatch` picks the Pallas kernel or the
+(`[D, N * H]` for q_proj, `[N * H, D]` for o_proj); it takes the same call, so the forward
+does not change, and it calls `quantized_matmul`, which looks the weight's format up in
+the format registry and lets `pallas_kernels.dispatch` pick the Pallas kernel or the
 reference for it like for every other op.
 
 `linear_sites(model)` lists every linear weight of a dense Llama-family model in forward
@@ -26,9 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.models import Transformer
-from jaxinfer.models.layers import MLP
+from jaxinfer.models.layers import MLP, LinearParam
 from jaxinfer.quant.config import QuantizationConfig, WeightScheme
-from pallas_kernels.quant_matmul import QuantizedWeight, dequantize_weight, quantize_weight
+from pallas_kernels.quant_matmul import QuantizedWeight, dequantize_weight, get_format
 from pallas_kernels.quant_matmul import quantized_matmul as quantized_matmul_op
 
 
@@ -68,10 +69,16 @@ class QuantizedLinear(nnx.Module):
         return QuantizedWeight(self.format, self.values[...], self.scales[...], zeros,
                                self.group_size, self.bits)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """`[..., K]` activations to `[..., *output_shape]`, in the activations' dtype."""
-        out = quantized_matmul_op(x, self.weight,
-                                  implementation=self.implementation)  # [..., N]
+    def __call__(self, x: jax.Array, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
+        """`[..., K]` activations to `[..., *output_shape]` (the `LinearParam` call).
+
+        Args:
+            x: `[..., K]` activations.
+            out_dtype: Result dtype (the kernels accumulate in float32 and write it
+                directly); default the activations' dtype.
+        """
+        out = quantized_matmul_op(x, self.weight, implementation=self.implementation,
+                                  out_dtype=out_dtype)  # [..., N]
         return out.reshape(*x.shape[:-1], *self.output_shape)  # [..., *output_shape]
 
     def dequantized(self) -> jax.Array:
@@ -104,7 +111,7 @@ class LinearSite:
     input_axes: int
 
     @property
-    def layer(self) -> nnx.Param | QuantizedLinear:
+    def layer(self) -> LinearParam | QuantizedLinear:
         """The float parameter or the quantized layer now at this site."""
         return getattr(self.owner, self.name)
 
@@ -161,10 +168,8 @@ def linear_sites(model: Transformer) -> list[LinearSite]:
 
 def quantize_matrix(matrix: jax.Array, scheme: WeightScheme) -> QuantizedWeight:
     """Round-to-nearest quantization of a `[K, N]` matrix in `scheme`."""
-    if scheme.format == "int4":
-        return quantize_weight(matrix, "int4", group_size=scheme.group_size,
-                               symmetric=scheme.symmetric, bits=scheme.bits)
-    return quantize_weight(matrix, scheme.format)
+    return get_format(scheme.format).quantize(matrix, scheme.bits, scheme.group_size,
+                                              scheme.symmetric)
 
 
 def copy_model(model: Transformer) -> Transformer:
@@ -223,11 +228,11 @@ def dequantize_model(model: Transformer) -> Transformer:
     for site in linear_sites(model):
         if site.is_quantized:
             layer = site.layer
-            k = layer.values.shape[0] * (2 if layer.format == "int4" else 1)
+            k = layer.weight.shape[0]
             matrix = layer.dequantized()  # [K, N]
             input_shape = _input_shape(model, site, k)
             value = matrix.reshape(*input_shape, *layer.output_shape).astype(dtype)
-            setattr(site.owner, site.name, nnx.Param(value))
+            setattr(site.owner, site.name, LinearParam(value, input_axes=site.input_axes))
     return model
 
 
@@ -251,7 +256,7 @@ def linear_weight_bytes(model: Transformer, pattern: str = r".") -> tuple[int, i
         layer = site.layer
         if isinstance(layer, QuantizedLinear):
             stored += layer.nbytes()
-            k = layer.values.shape[0] * (2 if layer.format == "int4" else 1)
+            k = layer.weight.shape[0]
             bf16 += 2 * k * math.prod(layer.output_shape)
         else:
             value = layer[...]

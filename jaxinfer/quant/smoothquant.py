@@ -80,25 +80,26 @@ def smooth_model(model: Transformer, windows: np.ndarray, alpha: float) -> Trans
         alpha: Migration strength a in [0, 1].
     """
     model = copy_model(model)
-    inputs = collect_block_inputs(model, windows)  # per block: 4 x [M, K]
+    inputs = collect_block_inputs(model, windows)  # per block: site -> [M, K]
     sites = {site.path: site for site in linear_sites(model)}
     for index, block in enumerate(model.layers):
         prefix = f"layers.{index}"
-        activation_max = [jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0)
-                          for x in inputs[index]]  # 4 x [K]
+        activation_max = {site: jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0)
+                          for site, x in inputs[index].items()}  # site -> [K]
         attention = [sites[f"{prefix}.attention.{name}"] for name in ("q_proj", "k_proj",
                                                                       "v_proj")]
-        factors = smoothing_factors(activation_max[0], _row_max(attention), alpha)  # [D]
+        factors = smoothing_factors(activation_max["attention_input"], _row_max(attention),
+                                    alpha)  # [D]
         if _fold_into_norm(block.input_norm, factors):
             for site in attention:
                 _scale_rows(site, factors)
         mlp_in = [sites[f"{prefix}.mlp.{name}"] for name in ("gate_proj", "up_proj")]
-        factors = smoothing_factors(activation_max[2], _row_max(mlp_in), alpha)  # [D]
+        factors = smoothing_factors(activation_max["mlp_input"], _row_max(mlp_in), alpha)  # [D]
         if _fold_into_norm(block.post_attention_norm, factors):
             for site in mlp_in:
                 _scale_rows(site, factors)
         down, up = sites[f"{prefix}.mlp.down_proj"], sites[f"{prefix}.mlp.up_proj"]
-        factors = smoothing_factors(activation_max[3], _row_max([down]), alpha)  # [F]
+        factors = smoothing_factors(activation_max["mlp_hidden"], _row_max([down]), alpha)  # [F]
         _scale_rows(down, factors)
         up.set_float_matrix(up.float_matrix().astype(jnp.float32) / factors[None, :])
     return model

@@ -1,8 +1,9 @@
 """Default block sizes for the quantized matmul kernels, and how they fit a given shape.
 
-The table holds the preferred `(block_m, block_n, block_k)` per weight format. They are
-starting points sized for TPU VMEM (a few MiB per step with double buffering), not yet
-measured on hardware; replace them with benchmark results when there are some.
+The table holds the preferred `(block_m, block_n, block_k)` per weight format (formats
+without a row use `GENERIC_BLOCK_SIZES`). They are starting points sized for TPU VMEM (a
+few MiB per step with double buffering), not yet measured on hardware; replace them with
+benchmark results when there are some.
 
 `default_block_sizes` shrinks each preferred size to one that fits the problem: block_m
 to the (padded) token count, so a decode step with 8 tokens does not pad to 128 rows;
@@ -21,6 +22,8 @@ DEFAULT_BLOCK_SIZES: dict[str, tuple[int, int, int]] = {
     "int4": (128, 256, 512),
     "w8a8": (128, 256, 512),
 }
+# A format with no row in the table (a newly registered one) starts from these.
+GENERIC_BLOCK_SIZES = (128, 256, 512)
 
 # Rows of a block are a multiple of the sublane tile: 8 for 32-bit, 16 for bfloat16 and
 # 32 for int8. 32 satisfies all three, which matters for W8A8 with int8 activations.
@@ -48,7 +51,8 @@ def default_block_sizes(
     """The `(block_m, block_n, block_k)` the kernels use when none are given.
 
     Args:
-        weight_format: "int8", "int4" or "w8a8".
+        weight_format: A weight format name; one not in `DEFAULT_BLOCK_SIZES` starts from
+            `GENERIC_BLOCK_SIZES`.
         m: Tokens (rows of x).
         k: Input features.
         n: Output features.
@@ -57,10 +61,7 @@ def default_block_sizes(
     Returns:
         Block sizes; block_n divides n and block_k divides k, block_m may need padding.
     """
-    if weight_format not in DEFAULT_BLOCK_SIZES:
-        raise ValueError(f"unknown weight format {weight_format!r}; "
-                         f"known: {sorted(DEFAULT_BLOCK_SIZES)}")
-    block_m, block_n, block_k = DEFAULT_BLOCK_SIZES[weight_format]
+    block_m, block_n, block_k = DEFAULT_BLOCK_SIZES.get(weight_format, GENERIC_BLOCK_SIZES)
     block_m = min(block_m, round_up(m, ROW_MULTIPLE))
     block_n = _largest_dividing_block(n, block_n, LANE_MULTIPLE)
     k_multiple = math.lcm(LANE_MULTIPLE, group_size) if group_size else LANE_MULTIPLE

@@ -13,7 +13,7 @@ from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.generate import generate
 from jaxinfer.models import PagedBatch, PagedKVCache, create_model
-from jaxinfer.models.layers import simulated_quantization
+from jaxinfer.models.hooks import ActivationHooks, with_activation_hooks
 from jaxinfer.perplexity import perplexity
 from jaxinfer.quant.kv_cache import int8_round_trip, kv_bytes_per_token
 
@@ -48,11 +48,9 @@ def model():
 def test_engine_with_an_int8_cache_equals_reference_generate_with_int8_rounding(model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 512, size=length).tolist() for length in (2, 9, 33, 70)]
-    # The reference's jitted steps read the hook when traced: trace them afresh.
-    jax.clear_caches()
-    with simulated_quantization(keys_values=int8_round_trip):
-        expected = generate(model, prompts, max_new_tokens=6, eos_token_ids=())
-    jax.clear_caches()
+    # The hooks are part of the rounded copy's graph: its programs are its own.
+    rounded = with_activation_hooks(model, ActivationHooks(keys_values=int8_round_trip))
+    expected = generate(rounded, prompts, max_new_tokens=6, eos_token_ids=())
     engine = Engine(model, EngineConfig.from_options(page_size=16, max_num_batched_tokens=32,
                                         max_num_seqs=4, max_model_len=128, bucket_growth=4,
                                         kv_cache_dtype="int8"))
@@ -71,10 +69,8 @@ def test_engine_with_an_int8_cache_equals_reference_generate_with_int8_rounding(
 def test_int8_cache_perplexity_equals_the_simulated_rounding(model):
     ids = np.random.default_rng(1).integers(3, 512, size=90)  # [N]
     paged = perplexity(model, ids, window=32, batch_size=2, kv_cache_dtype="int8")
-    jax.clear_caches()
-    with simulated_quantization(keys_values=int8_round_trip):
-        simulated = perplexity(model, ids, window=32, batch_size=2)
-    jax.clear_caches()
+    rounded = with_activation_hooks(model, ActivationHooks(keys_values=int8_round_trip))
+    simulated = perplexity(rounded, ids, window=32, batch_size=2)
     exact = perplexity(model, ids, window=32, batch_size=2)
     assert paged.tokens == simulated.tokens == exact.tokens
     assert paged.nll == pytest.approx(simulated.nll, rel=1e-5)

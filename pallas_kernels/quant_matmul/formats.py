@@ -1,0 +1,319 @@
+"""The weight-format registry: every quantized weight format is one `WeightFormat` entry.
+
+An entry says everything the rest of the stack needs to know about a format: its name,
+which bit widths and options it holds, how a float `[K, N]` weight is quantized into it
+(round to nearest) and dequantized back, its readable reference matmul and its kernel
+matmul, and (for formats on an integer grid) the pieces GPTQ needs to round one group at a
+time. `quantize_weight`, `dequantize_weight` and `quantized_matmul` (the package's public
+ops), `jaxinfer.quant` (schemes, quantized layers, RTN, GPTQ, checkpoints) and the model
+look formats up here and never compare format names, so a new format is one
+`register_format(WeightFormat(...))` call plus its kernel.
+
+Built in:
+
+    "int8"  int8 weights, per-output-channel scales, float activations
+    "int4"  packed int4 weights, group-wise scales, optional zero points; also holds 3- and
+            2-bit grids in the same nibble storage
+    "w8a8"  int8 weights and per-token int8 activations, int32 accumulation
+
+Unquantized weights are not an entry: they stay float parameters of the model
+(`jaxinfer.models.layers.LinearParam`), multiplied by XLA.
+
+Every format stores a `QuantizedWeight`: `values` (integers, possibly packed), `scales`,
+optional `zeros`, and the static `group_size` and `bits`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.quant_matmul import kernel, reference
+
+__all__ = ["QuantizedWeight", "WeightFormat", "get_format", "register_format",
+           "registered_formats"]
+
+Interpret = bool | pltpu.InterpretParams
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized `[K, N]` weight. A pytree: arrays are leaves, format and group are static.
+
+    Attributes:
+        format: The name of a registered `WeightFormat` ("int8", "int4", "w8a8", ...).
+        values: The stored integers: int8 `[K, N]` for "int8" and "w8a8", uint8
+            `[K // 2, N]` for "int4" (two values per byte); in general
+            `[K // format.rows_per_stored_row, N]`.
+        scales: float32 `[N]` for per-channel formats, `[K // group_size, N]` for grouped.
+        zeros: int8 `[K // group_size, N]` zero points of an asymmetric grouped weight, else
+            None.
+        group_size: Rows per scale group for grouped formats, else None.
+        bits: Bit width of the values: the format's default when not given (8 for "int8"
+            and "w8a8"; 4, 3 or 2 for "int4", whose narrower grids use fewer of the nibble's
+            levels, see `reference.int4_levels`; storage and kernel are the same).
+    """
+
+    format: str
+    values: jax.Array
+    scales: jax.Array
+    zeros: jax.Array | None = None
+    group_size: int | None = None
+    bits: int | None = None
+
+    def __post_init__(self):
+        weight_format = get_format(self.format, "quantized weight format")
+        if weight_format.grouped and not self.group_size:
+            raise ValueError(f"an {self.format} QuantizedWeight needs group_size")
+        if self.bits is None:  # frozen dataclass: the default depends on the format
+            object.__setattr__(self, "bits", weight_format.bits[0])
+        if self.bits not in weight_format.bits:
+            raise ValueError(f"a {self.format} QuantizedWeight holds {weight_format.bits} "
+                             f"bits, got bits={self.bits}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The `(K, N)` shape of the weight this stands for."""
+        rows, columns = self.values.shape
+        return rows * get_format(self.format).rows_per_stored_row, columns
+
+
+jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scales", "zeros"],
+                                 meta_fields=["format", "group_size", "bits"])
+
+# (x [M, K], weight, out_dtype or None for x's dtype) -> [M, N]
+ReferenceMatmul = Callable[[jax.Array, QuantizedWeight, jnp.dtype | None], jax.Array]
+# (x [M, K], weight, out_dtype or None, pallas_call's interpret argument) -> [M, N]
+KernelMatmul = Callable[[jax.Array, QuantizedWeight, jnp.dtype | None, Interpret], jax.Array]
+# (w [K, N] float, bits, group_size or None, symmetric) -> QuantizedWeight
+Quantize = Callable[[jax.Array, int, int | None, bool], QuantizedWeight]
+# (bits, symmetric) -> (lowest, highest) integer level a value may take
+Levels = Callable[[int, bool], tuple[int, int]]
+# (groups [G, g, N] float, bits, symmetric) -> (scales [G, N] float32, zeros [G, N] int8 | None)
+GridParameters = Callable[[jax.Array, int, bool], tuple[jax.Array, jax.Array | None]]
+# (levels [K, N] int8, scales [G, N] float32, zeros [G, N] int8 | None, group_size or None,
+#  bits) -> QuantizedWeight
+FromLevels = Callable[[jax.Array, jax.Array, jax.Array | None, int | None, int],
+                      QuantizedWeight]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightFormat:
+    """One weight format: what it holds, how to make it, and how to multiply by it.
+
+    Attributes:
+        name: The registry key, stored in `QuantizedWeight.format`, `WeightScheme.format`
+            and quantized checkpoints' configs.
+        bits: The bit widths it holds; the first is the default.
+        grouped: True: one scale (and zero point) per `group_size` input rows and output
+            column; False: one scale per output column, and no group_size.
+        zero_points: Whether it can store zero points (asymmetric weights); else symmetric
+            only.
+        group_multiple: group_size must be a positive multiple of this (grouped formats).
+        rows_per_stored_row: Input rows per row of `values` (2 when two values share a
+            byte along K).
+        quantize: Round-to-nearest quantization of a float `[K, N]` weight.
+        dequantize: The float32 `[K, N]` matrix a `QuantizedWeight` stands for.
+        reference_matmul: `x @ weight`, the readable jnp reference (the XLA path).
+        kernel_matmul: `x @ weight` through the Pallas kernel.
+        levels: For integer-grid formats, the integer levels a value may take; with
+            `grid_parameters` and `from_levels` this lets GPTQ round one group at a time.
+            None: GPTQ cannot target the format.
+        grid_parameters: Scales (and zero points) of `[G, g, N]` weight groups, by the
+            same rule as `quantize` (for per-channel formats G = 1 and g = K).
+        from_levels: The `QuantizedWeight` of `[K, N]` integer levels and their
+            `[G, N]` scales (and zeros).
+    """
+
+    name: str
+    bits: tuple[int, ...]
+    grouped: bool
+    zero_points: bool
+    group_multiple: int = 1
+    rows_per_stored_row: int = 1
+    quantize: Quantize
+    dequantize: Callable[[QuantizedWeight], jax.Array]
+    reference_matmul: ReferenceMatmul
+    kernel_matmul: KernelMatmul
+    levels: Levels | None = None
+    grid_parameters: GridParameters | None = None
+    from_levels: FromLevels | None = None
+
+    def check_options(self, bits: int, group_size: int | None, symmetric: bool) -> None:
+        """Raises ValueError unless the format holds `bits`, `group_size` and `symmetric`."""
+        if bits not in self.bits:
+            held = (f"weights are {self.bits[0]}-bit" if len(self.bits) == 1 else
+                    f"storage holds {min(self.bits)} to {max(self.bits)} bits")
+            raise ValueError(f"{self.name} {held}, got bits={bits}")
+        if not symmetric and not self.zero_points:
+            raise ValueError(f"{self.name} weights are symmetric only")
+        if self.grouped:
+            if not group_size or group_size % self.group_multiple:
+                wanted = ("an even group_size" if self.group_multiple == 2 else
+                          f"a group_size that is a multiple of {self.group_multiple}")
+                raise ValueError(f"{self.name} needs {wanted}, got {group_size}")
+        elif group_size is not None:
+            raise ValueError(f"{self.name} has one scale per output channel; "
+                             f"group_size must be None, got {group_size}")
+
+    def group_rows(self, k: int, group_size: int | None) -> int:
+        """Input rows sharing one scale: `group_size` for grouped formats, else all K."""
+        return group_size if self.grouped else k
+
+
+_REGISTRY: dict[str, WeightFormat] = {}
+
+
+def register_format(weight_format: WeightFormat, *, replace: bool = False) -> WeightFormat:
+    """Adds a format to the registry (under its name) and returns it.
+
+    Raises:
+        ValueError: The name is taken and `replace` is False.
+    """
+    if weight_format.name in _REGISTRY and not replace:
+        raise ValueError(f"weight format {weight_format.name!r} is already registered")
+    _REGISTRY[weight_format.name] = weight_format
+    return weight_format
+
+
+def unregister_format(name: str) -> None:
+    """Removes a format (for tests that register a temporary one)."""
+    _REGISTRY.pop(name, None)
+
+
+def registered_formats() -> tuple[str, ...]:
+    """The names of every registered format, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_format(name: str, what: str = "weight format") -> WeightFormat:
+    """The registered format called `name`.
+
+    Raises:
+        ValueError: No such format (the message lists the known ones).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+# --- int8 per output channel (weight-only) and W8A8 -----------------------------------------
+
+
+def _quantize_per_channel(name: str) -> Quantize:
+    def quantize(w: jax.Array, bits: int, group_size: int | None,
+                 symmetric: bool) -> QuantizedWeight:
+        del bits, group_size, symmetric  # 8-bit, per channel, symmetric: checked before
+        values, scales = reference.quantize_int8_per_channel(w)  # [K, N], [N]
+        return QuantizedWeight(name, values, scales)
+    return quantize
+
+
+def _dequantize_per_channel(weight: QuantizedWeight) -> jax.Array:
+    return reference.dequantize_int8_per_channel(weight.values, weight.scales)  # [K, N]
+
+
+def _int8_levels(bits: int, symmetric: bool) -> tuple[int, int]:
+    del bits, symmetric
+    return -reference.INT8_MAX, reference.INT8_MAX
+
+
+def _int8_grid_parameters(groups: jax.Array, bits: int, symmetric: bool
+                          ) -> tuple[jax.Array, None]:
+    del bits, symmetric
+    groups = groups.astype(jnp.float32)  # [G, g, N]
+    # The rule of `reference.quantize_int8_per_channel`, per group.
+    maximum = jnp.max(jnp.abs(groups), axis=1) / reference.INT8_MAX  # [G, N]
+    return jnp.where(maximum > 0, maximum, 1.0), None
+
+
+def _per_channel_from_levels(name: str) -> FromLevels:
+    def from_levels(levels: jax.Array, scales: jax.Array, zeros: jax.Array | None,
+                    group_size: int | None, bits: int) -> QuantizedWeight:
+        del zeros, group_size, bits
+        return QuantizedWeight(name, levels.astype(jnp.int8), scales[0])  # [K, N], [N]
+    return from_levels
+
+
+def _int8_reference(x: jax.Array, weight: QuantizedWeight, out_dtype) -> jax.Array:
+    return reference.int8_matmul_reference(x, weight.values, weight.scales,
+                                           out_dtype=out_dtype)
+
+
+def _int8_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype, interpret) -> jax.Array:
+    return kernel.int8_matmul(x, weight.values, weight.scales, out_dtype=out_dtype,
+                              interpret=interpret)
+
+
+def _w8a8_reference(x: jax.Array, weight: QuantizedWeight, out_dtype) -> jax.Array:
+    return reference.w8a8_matmul_reference(x, weight.values, weight.scales,
+                                           out_dtype=out_dtype)
+
+
+def _w8a8_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype, interpret) -> jax.Array:
+    return kernel.w8a8_matmul(x, weight.values, weight.scales, out_dtype=out_dtype,
+                              interpret=interpret)
+
+
+# --- int4 (and 3-, 2-bit) group-wise, two values per byte ------------------------------------
+
+
+def _int4_quantize(w: jax.Array, bits: int, group_size: int | None,
+                   symmetric: bool) -> QuantizedWeight:
+    packed, scales, zeros = reference.quantize_int4_grouped(w, group_size, symmetric=symmetric,
+                                                            bits=bits)
+    return QuantizedWeight("int4", packed, scales, zeros, group_size, bits)
+
+
+def _int4_dequantize(weight: QuantizedWeight) -> jax.Array:
+    return reference.dequantize_int4_grouped(weight.values, weight.scales, weight.zeros,
+                                             weight.group_size)  # [K, N]
+
+
+def _int4_grid_parameters(groups: jax.Array, bits: int, symmetric: bool
+                          ) -> tuple[jax.Array, jax.Array | None]:
+    return reference.grouped_quantization_parameters(groups, bits, symmetric=symmetric)
+
+
+def _int4_from_levels(levels: jax.Array, scales: jax.Array, zeros: jax.Array | None,
+                      group_size: int | None, bits: int) -> QuantizedWeight:
+    packed = reference.pack_int4(levels)  # [K // 2, N]
+    return QuantizedWeight("int4", packed, scales, zeros, group_size, bits)
+
+
+def _int4_reference(x: jax.Array, weight: QuantizedWeight, out_dtype) -> jax.Array:
+    return reference.int4_matmul_reference(x, weight.values, weight.scales, weight.zeros,
+                                           weight.group_size, out_dtype=out_dtype)
+
+
+def _int4_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype, interpret) -> jax.Array:
+    return kernel.int4_matmul(x, weight.values, weight.scales, weight.zeros,
+                              group_size=weight.group_size, out_dtype=out_dtype,
+                              interpret=interpret)
+
+
+register_format(WeightFormat(
+    name="int8", bits=(8,), grouped=False, zero_points=False,
+    quantize=_quantize_per_channel("int8"), dequantize=_dequantize_per_channel,
+    reference_matmul=_int8_reference, kernel_matmul=_int8_kernel,
+    levels=_int8_levels, grid_parameters=_int8_grid_parameters,
+    from_levels=_per_channel_from_levels("int8")))
+
+register_format(WeightFormat(
+    name="int4", bits=(4, 3, 2), grouped=True, zero_points=True, group_multiple=2,
+    rows_per_stored_row=2,
+    quantize=_int4_quantize, dequantize=_int4_dequantize,
+    reference_matmul=_int4_reference, kernel_matmul=_int4_kernel,
+    levels=reference.int4_levels, grid_parameters=_int4_grid_parameters,
+    from_levels=_int4_from_levels))
+
+register_format(WeightFormat(
+    name="w8a8", bits=(8,), grouped=False, zero_points=False,
+    quantize=_quantize_per_channel("w8a8"), dequantize=_dequantize_per_channel,
+    reference_matmul=_w8a8_reference, kernel_matmul=_w8a8_kernel,
+    levels=_int8_levels, grid_parameters=_int8_grid_parameters,
+    from_levels=_per_channel_from_levels("w8a8")))
