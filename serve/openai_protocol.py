@@ -15,7 +15,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxinfer.engine.outputs import CompletionOutput
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from serve.service import InvalidRequestError
 
@@ -187,23 +186,6 @@ def chat_logprobs(tokenizer: Any, token_ids: Sequence[int],
                               "bytes": list(_token_text(tokenizer, other).encode())}
                              for other, value in ranked]})
     return {"content": content}
-
-
-@dataclasses.dataclass
-class ChoiceTracker:
-    """What one choice (a prompt's sample) has already sent, to stream only what is new."""
-
-    sent_text: int = 0
-    sent_tokens: int = 0
-    finished: bool = False
-
-    def delta(self, sample: CompletionOutput) -> tuple[str, list[int], int]:
-        """(new text, new token ids, index of the first new token) since the last call."""
-        text = sample.text[self.sent_text:]
-        start = self.sent_tokens
-        tokens = list(sample.token_ids[start:])
-        self.sent_text, self.sent_tokens = len(sample.text), len(sample.token_ids)
-        return text, tokens, start
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list[dict[str, Any]],
