@@ -5,9 +5,10 @@
 One `grpc.aio` server on the serving event loop, over the shared `InferenceService`:
 
 * `jaxinfer.v1.Inference` (serve/protos/jaxinfer/v1/inference.proto): `Generate` streams, per
-  sample, the text and token ids that are new since the previous message (the engine's
-  outputs are cumulative; the deltas are taken here), and the last message carries the finish
-  reasons and usage. `Tokenize`, `Detokenize`, `ModelInfo`.
+  sample, the text and token ids that are new since the previous message (the engine's DELTA
+  outputs, as they come), and the last message carries the finish reasons and usage. Every
+  `GenerateRequest` field named like a `SamplingParams` field is passed on as that field.
+  `Tokenize`, `Detokenize`, `ModelInfo`.
 * `jetstream_proto.Orchestrator` (JetStream's wire schema): `Decode` is a greedy request with
   `max_tokens` and `num_samples`; it streams `initial_content`, then `stream_content` deltas.
 * `grpc.health.v1.Health`: SERVING for "" and every service while `service.ready` (warm-up is
@@ -16,11 +17,11 @@ One `grpc.aio` server on the serving event loop, over the shared `InferenceServi
 * Server reflection for all of the above (`grpcurl -plaintext HOST:PORT list`).
 
 With an API key, every call except health and reflection (and JetStream's `HealthCheck`)
-needs the metadata `authorization: Bearer KEY`. Errors: `InvalidRequestError` is
-INVALID_ARGUMENT with a message naming the field, `OverloadedError` RESOURCE_EXHAUSTED,
-`UnauthenticatedError` UNAUTHENTICATED, `EngineDeadError` UNAVAILABLE. A cancelled call or an
-expired deadline cancels the handler's task; the task leaves `service.generate`, which aborts
-the engine request and frees its pages.
+needs the metadata `authorization: Bearer KEY`. Errors: a `RequestError` (the engine's checks
+and the service's) is INVALID_ARGUMENT with a message starting with the field,
+`OverloadedError` RESOURCE_EXHAUSTED, `UnauthenticatedError` UNAUTHENTICATED,
+`EngineDeadError` UNAVAILABLE. A cancelled call or an expired deadline cancels the handler's
+task; the task leaves `service.generate`, which aborts the engine request and frees its pages.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.engine.async_engine import EngineDeadError
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
+from jaxinfer.engine.errors import RequestError
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from serve.generated.jaxinfer.v1 import inference_pb2 as pb
 from serve.generated.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
@@ -58,18 +60,32 @@ HEALTH_POLL_SECONDS = 1.0
 MAX_REQUEST_ID_LENGTH = 256
 _background_tasks: set[asyncio.Future[Any]] = set()
 
-# GenerateRequest's sampling fields that are proto3 `optional` scalars: set means "use this
-# value", unset means SamplingParams' default (repeated and map fields have no presence).
-_OPTIONAL_FIELDS = tuple(field.name for field in pb.GenerateRequest.DESCRIPTOR.fields
-                         if field.has_presence and field.name in SAMPLING_FIELDS)
+# GenerateRequest's fields named like SamplingParams fields: each is passed on as that field.
+_SAMPLING_DESCRIPTORS = tuple(field for field in pb.GenerateRequest.DESCRIPTOR.fields
+                              if field.name in SAMPLING_FIELDS)
+
+
+def _sampling_fields(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The request's sampling fields as plain values; None where not given (an unset proto3
+    `optional` scalar, or an empty repeated or map field, which have no presence)."""
+    fields: dict[str, Any] = {}
+    for field in _SAMPLING_DESCRIPTORS:
+        value = getattr(request, field.name)
+        if field.has_presence:
+            fields[field.name] = value if request.HasField(field.name) else None
+        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
+            fields[field.name] = dict(value) or None
+        elif field.is_repeated:
+            fields[field.name] = list(value) or None
+        else:
+            fields[field.name] = value
+    return fields
 
 
 def _status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and details a service error becomes."""
-    if isinstance(error, InvalidRequestError):
+    if isinstance(error, RequestError):
         field, message = error.field, error.message
-        if field is None and "already in use" in message:
-            field = "request_id"  # the engine refuses a duplicate id without naming a field
         if field and not message.startswith(field):
             message = f"{field}: {message}"
         return grpc.StatusCode.INVALID_ARGUMENT, message
@@ -85,8 +101,7 @@ async def _status_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[Non
     """Ends the call with the status of a service error raised inside the block."""
     try:
         yield
-    except (InvalidRequestError, OverloadedError, UnauthenticatedError,
-            EngineDeadError) as error:
+    except (RequestError, OverloadedError, UnauthenticatedError, EngineDeadError) as error:
         code, details = _status_of(error)
         await context.abort(code, details)
 
@@ -109,61 +124,31 @@ def _position_logprobs(token_id: int, entry: Mapping[int, float] | None,
         top_logprobs=[pb.TokenLogprob(token_id=tid, logprob=lp) for tid, lp in ranked])
 
 
-class _Deltas:
-    """Turns a request's cumulative outputs into per-message deltas."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self._params = params
-        self._text_sent: dict[int, int] = {}
-        self._tokens_sent: dict[int, int] = {}
-        self._finished: set[int] = set()
-        self._prompt_logprobs_sent = False
-
-    def sample(self, sample: CompletionOutput) -> tuple[str, list[int], int]:
-        """A sample's new text, new token ids and the count of ids sent before, as consumed."""
-        text_sent = self._text_sent.get(sample.index, 0)
-        tokens_sent = self._tokens_sent.get(sample.index, 0)
-        # The engine never takes text back once shown (it holds back possible stop-string
-        # prefixes), so the new text is the suffix past what was sent.
-        self._text_sent[sample.index] = len(sample.text)
-        self._tokens_sent[sample.index] = len(sample.token_ids)
-        return sample.text[text_sent:], sample.token_ids[tokens_sent:], tokens_sent
-
-    def response(self, output: RequestOutput) -> pb.GenerateResponse | None:
-        """The message for this output; None when nothing changed since the last one."""
-        response = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
-        for sample in output.outputs:
-            if sample.index in self._finished:
-                continue
-            text, token_ids, tokens_sent = self.sample(sample)
-            if not (text or token_ids or sample.finished):
-                continue
-            delta = response.outputs.add(index=sample.index, text=text, token_ids=token_ids,
-                                         finish_reason=sample.finish_reason or "")
-            if self._params.logprobs is not None and sample.logprobs is not None:
-                delta.logprobs.extend(
-                    _position_logprobs(token, entry, self._params.logprobs)
-                    for token, entry in zip(token_ids, sample.logprobs[tokens_sent:]))
-            if sample.finished:
-                self._finished.add(sample.index)
-                if isinstance(sample.stop_reason, str):
-                    delta.stop_str = sample.stop_reason
-                elif isinstance(sample.stop_reason, int):
-                    delta.stop_token_id = sample.stop_reason
-        if output.prompt_logprobs is not None and not self._prompt_logprobs_sent:
-            self._prompt_logprobs_sent = True
-            response.prompt_logprobs.extend(
-                _position_logprobs(token, entry, self._params.prompt_logprobs or 0)
-                for token, entry in zip(output.prompt_token_ids[1:],
-                                        output.prompt_logprobs[1:]))
-        if output.finished:
-            completion = sum(len(sample.token_ids) for sample in output.outputs)
-            prompt = len(output.prompt_token_ids)
-            response.usage.CopyFrom(pb.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                                             total_tokens=prompt + completion))
-        if not (response.outputs or response.prompt_logprobs or output.finished):
-            return None
-        return response
+def _response(output: RequestOutput, params: SamplingParams,
+              generated: int) -> pb.GenerateResponse:
+    """The message for one DELTA output; `generated` counts the request's tokens so far (the
+    usage of the last message)."""
+    response = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
+    for sample in output.outputs:
+        delta = response.outputs.add(index=sample.index, text=sample.text,
+                                     token_ids=sample.token_ids,
+                                     finish_reason=sample.finish_reason or "")
+        if params.logprobs is not None and sample.logprobs is not None:
+            delta.logprobs.extend(_position_logprobs(token, entry, params.logprobs)
+                                  for token, entry in zip(sample.token_ids, sample.logprobs))
+        if isinstance(sample.stop_reason, str):
+            delta.stop_str = sample.stop_reason
+        elif isinstance(sample.stop_reason, int):
+            delta.stop_token_id = sample.stop_reason
+    if output.prompt_logprobs is not None:  # a DELTA output carries them once
+        response.prompt_logprobs.extend(
+            _position_logprobs(token, entry, params.prompt_logprobs or 0)
+            for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))
+    if output.finished:
+        prompt = len(output.prompt_token_ids)
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=prompt, completion_tokens=generated,
+                                         total_tokens=prompt + generated))
+    return response
 
 
 class _Frontend:
@@ -188,36 +173,11 @@ class _Frontend:
             raise InvalidRequestError("request_id", "request_id must not contain '#'")
         return given
 
-    def params(self, fields: Mapping[str, Any], prompt_len: int) -> SamplingParams:
-        """Checked SamplingParams; counts a refusal in the metrics."""
-        try:
-            return self.service.sampling_params(fields, prompt_len)
-        except InvalidRequestError:
-            self.service.metrics.reject("invalid")
-            raise
-
-    def encode(self, prompt: Any, field: str) -> list[int]:
-        """Checked prompt token ids; counts a refusal in the metrics."""
-        try:
-            return self.service.encode_prompt(prompt, field)
-        except InvalidRequestError:
-            self.service.metrics.reject("invalid")
-            raise
-
     def tokenizer(self) -> Any:
         """The model's tokenizer; InvalidRequestError when it has none."""
         if self.service.tokenizer is None:
             raise InvalidRequestError(None, "this model has no tokenizer; use token ids")
         return self.service.tokenizer
-
-    def check_token_ids(self, token_ids: Iterable[int], field: str) -> list[int]:
-        """The ids as a list; InvalidRequestError naming `field` if any is out of range."""
-        ids = list(token_ids)
-        bad = [token for token in ids if not 0 <= token < self.service.vocab_size]
-        if bad:
-            raise InvalidRequestError(field, f"{field}: token ids {bad[:5]} are outside the "
-                                             f"vocabulary [0, {self.service.vocab_size})")
-        return ids
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -231,21 +191,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """The request's prompt (for the engine), its SamplingParams and its request id."""
         which = request.WhichOneof("prompt")
         if which == "text":
-            token_ids = self._frontend.encode(request.text, "text")
+            token_ids = self._service.encode_prompt(request.text, "text")
             prompt: Any = {"prompt": request.text, "prompt_token_ids": token_ids}
         elif which == "token_ids":
-            token_ids = prompt = self._frontend.encode(list(request.token_ids.ids), "token_ids")
+            token_ids = prompt = self._service.encode_prompt(list(request.token_ids.ids),
+                                                             "token_ids")
         else:
             self._service.metrics.reject("invalid")
             raise InvalidRequestError("prompt", "prompt: the request has no prompt; set text "
                                                 "or token_ids")
-        fields: dict[str, Any] = {name: getattr(request, name) if request.HasField(name)
-                                  else None for name in _OPTIONAL_FIELDS}
-        # Repeated and map fields have no presence: empty means not given.
-        fields["stop"] = list(request.stop) or None
-        fields["stop_token_ids"] = list(request.stop_token_ids) or None
-        fields["logit_bias"] = dict(request.logit_bias) or None
-        params = self._frontend.params(fields, len(token_ids))
+        params = self._service.sampling_params(_sampling_fields(request), len(token_ids))
         return prompt, params, self._frontend.request_id(request.request_id)
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
@@ -254,16 +209,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async with _status_errors(context):
             self._frontend.authorize(context)
             prompt, params, request_id = self._parse(request)
-            deltas = _Deltas(params)
+            generated = 0
             # aclosing: when the client cancels or the deadline passes, the CancelledError
             # raised at an await below unwinds through here and closes the stream now, which
             # aborts the engine request (not whenever the generator is garbage collected).
             async with contextlib.aclosing(
                     self._service.generate(prompt, params, request_id)) as stream:
                 async for output in stream:
-                    response = deltas.response(output)
-                    if response is not None:
-                        await context.write(response)
+                    generated += sum(len(sample.token_ids) for sample in output.outputs)
+                    await context.write(_response(output, params, generated))
 
     async def Tokenize(self, request: pb.TokenizeRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -284,7 +238,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async with _status_errors(context):
             self._frontend.authorize(context)
             tokenizer = self._frontend.tokenizer()
-            token_ids = self._frontend.check_token_ids(request.token_ids, "token_ids")
+            token_ids = self._service.check_token_ids(request.token_ids, "token_ids")
             skip = (request.skip_special_tokens
                     if request.HasField("skip_special_tokens") else True)
             return pb.DetokenizeResponse(
@@ -323,20 +277,20 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
             if not request.has_bos:
                 # JetStream adds BOS to text unless told it is there; our tokenizers add it
                 # by default (when the model has one), so the default encoding is that.
-                token_ids = self._frontend.encode(text, "text_content.text")
+                token_ids = self._service.encode_prompt(text, "text_content.text")
             else:
                 # The text already starts with BOS (as a special-token string): add nothing.
                 if not text:
                     raise InvalidRequestError("text_content.text", "text_content.text must "
                                                                    "not be empty")
-                token_ids = self._frontend.encode(
+                token_ids = self._service.encode_prompt(
                     self._frontend.tokenizer().encode(text, add_special_tokens=False),
                     "text_content.text")
             return {"prompt": text, "prompt_token_ids": token_ids}, token_ids
         if which == "token_content":
             # Client-side tokenization: the ids are used as given, BOS included or not.
-            token_ids = self._frontend.encode(list(request.token_content.token_ids),
-                                              "token_content.token_ids")
+            token_ids = self._service.encode_prompt(list(request.token_content.token_ids),
+                                                    "token_content.token_ids")
             return token_ids, token_ids
         raise InvalidRequestError("content", "content: set text_content or token_content")
 
@@ -349,10 +303,9 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
                 raise InvalidRequestError("lora_adapter_id", "lora_adapter_id: this server "
                                                              "serves no LoRA adapters")
             prompt, token_ids = self._prompt(request)
-            params = self._frontend.params(
+            params = self._service.sampling_params(
                 {"n": request.num_samples or 1, "temperature": 0.0,
                  "max_tokens": request.max_tokens}, len(token_ids))
-            sent = [(0, 0)] * params.n  # per sample: characters and token ids sent
             started = False
             async with contextlib.aclosing(self._service.generate(
                     prompt, params, self._service.new_request_id("jetstream"))) as stream:
@@ -362,13 +315,11 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
                         started = True
                         await context.write(js.DecodeResponse(
                             initial_content=js.DecodeResponse.InitialContent()))
-                    samples = []
-                    for sample in output.outputs:
-                        text_sent, tokens_sent = sent[sample.index]
-                        sent[sample.index] = (len(sample.text), len(sample.token_ids))
-                        samples.append(js.DecodeResponse.StreamContent.Sample(
-                            text=sample.text[text_sent:],
-                            token_ids=sample.token_ids[tokens_sent:]))
+                    new = {sample.index: sample for sample in output.outputs}
+                    samples = [js.DecodeResponse.StreamContent.Sample(
+                        text=new[index].text, token_ids=new[index].token_ids)
+                        if index in new else js.DecodeResponse.StreamContent.Sample()
+                        for index in range(params.n)]
                     # Every sample in every message, in order, as JetStream's clients index
                     # them; a step that changed nothing sends nothing.
                     if any(sample.text or sample.token_ids for sample in samples):

@@ -32,6 +32,7 @@ import jinja2
 from aiohttp import web
 
 from jaxinfer.engine.async_engine import EngineDeadError
+from jaxinfer.engine.errors import RequestError
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.llm import render_chat_prompt
@@ -81,7 +82,7 @@ async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     except UnauthenticatedError as error:
         return _error(401, str(error), kind="authentication_error")
-    except InvalidRequestError as error:
+    except RequestError as error:  # the engine's checks and the service's
         return _error(400, error.message, error.field)
     except OverloadedError as error:
         return _error(429, str(error), kind="rate_limit_error")
@@ -160,7 +161,7 @@ async def _merged(service: InferenceService, prompts: Sequence[Any],
 
 
 class _Endpoint:
-    """One completions-style request in flight: builds choices, deltas and usage."""
+    """One completions-style request in flight: builds choices from the engine's deltas."""
 
     def __init__(self, service: InferenceService, parsed: protocol.ParsedRequest,
                  prompts: list[Any], params: list[SamplingParams]) -> None:
@@ -168,19 +169,23 @@ class _Endpoint:
         self.n = params[0].n
         self.kind = "chat.completion" if parsed.chat else "text_completion"
         self.prefix = "chatcmpl" if parsed.chat else "cmpl"
-        self.trackers: dict[int, protocol.ChoiceTracker] = {}
-        self.last: dict[int, RequestOutput] = {}
+        self.prompt_tokens: dict[int, int] = {}  # prompt index -> its token count
+        self.completion_tokens = 0  # every sample's generated tokens so far
+        self.sent_text: dict[int, int] = {}  # choice index -> characters streamed
+        self.outputs: dict[int, RequestOutput] = {}  # non-streamed: the deltas, accumulated
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         """OpenAI's (and vLLM's) numbering of choices across prompts and samples."""
         return prompt_index * self.n + sample_index
 
+    def count(self, prompt_index: int, output: RequestOutput) -> None:
+        """Counts one delta's tokens for the usage."""
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.completion_tokens += sum(len(sample.token_ids) for sample in output.outputs)
+
     def usage(self) -> dict[str, int]:
         """Token counts so far: each prompt once, every sample's generated tokens."""
-        prompt = sum(len(output.prompt_token_ids) for output in self.last.values())
-        completion = sum(len(sample.token_ids) for output in self.last.values()
-                         for sample in output.outputs)
-        return protocol.usage_of(prompt, completion)
+        return protocol.usage_of(sum(self.prompt_tokens.values()), self.completion_tokens)
 
     def logprobs(self, token_ids: list[int], entries: list | None, offset: int) -> Any:
         """The `logprobs` object of a choice (or a delta), None when not requested."""
@@ -195,7 +200,7 @@ class _Endpoint:
     def full_choices(self) -> list[dict[str, Any]]:
         """Every choice of the finished request, for the non-streamed response."""
         choices = []
-        for prompt_index, output in sorted(self.last.items()):
+        for prompt_index, output in sorted(self.outputs.items()):
             for sample in output.outputs:
                 index = self.choice_index(prompt_index, sample.index)
                 logprobs = self.logprobs(list(sample.token_ids), sample.logprobs, 0)
@@ -209,32 +214,22 @@ class _Endpoint:
         return sorted(choices, key=lambda choice: choice["index"])
 
     def delta_choices(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
-        """The choices of one streamed chunk: what each sample added since its last chunk.
-
-        Outputs are cumulative and the engine never takes text back (it holds back what a
-        stop string could still claim), so a delta is the part past what was sent.
-        """
+        """The choices of one streamed chunk: the engine's delta of each sample that has one."""
         choices = []
         for sample in output.outputs:
             index = self.choice_index(prompt_index, sample.index)
-            tracker = self.trackers.setdefault(index, protocol.ChoiceTracker())
-            if tracker.finished:
-                continue
-            first = tracker.sent_tokens == 0 and tracker.sent_text == 0
-            text, tokens, start = tracker.delta(sample)
-            tracker.finished = sample.finish_reason is not None
-            if not text and not tokens and not tracker.finished:
-                continue
-            entries = sample.logprobs[start:start + len(tokens)] if sample.logprobs else None
-            logprobs = self.logprobs(tokens, entries, tracker.sent_text - len(text))
+            first = index not in self.sent_text
+            offset = self.sent_text.get(index, 0)
+            self.sent_text[index] = offset + len(sample.text)
+            logprobs = self.logprobs(list(sample.token_ids), sample.logprobs, offset)
             if self.parsed.chat:
-                delta: dict[str, Any] = {"content": text}
+                delta: dict[str, Any] = {"content": sample.text}
                 if first:
                     delta["role"] = "assistant"
                 choices.append({"index": index, "delta": delta, "logprobs": logprobs,
                                 "finish_reason": sample.finish_reason})
             else:
-                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                choices.append({"index": index, "text": sample.text, "logprobs": logprobs,
                                 "finish_reason": sample.finish_reason})
         return choices
 
@@ -245,7 +240,10 @@ class _Endpoint:
         if not self.parsed.stream:
             async with contextlib.aclosing(stream):
                 async for prompt_index, output in stream:
-                    self.last[prompt_index] = output
+                    self.count(prompt_index, output)
+                    self.outputs.setdefault(prompt_index, RequestOutput(
+                        output.request_id, output.prompt, output.prompt_token_ids, [])
+                    ).add(output)
             return web.json_response(protocol.envelope(
                 self.kind, request_id, self.service.model_name, self.full_choices(),
                 self.usage()))
@@ -259,7 +257,7 @@ class _Endpoint:
                         response = web.StreamResponse(headers={
                             "content-type": "text/event-stream", "cache-control": "no-cache"})
                         await response.prepare(request)
-                    self.last[prompt_index] = output
+                    self.count(prompt_index, output)
                     choices = self.delta_choices(prompt_index, output)
                     if choices:
                         await _send(response, protocol.envelope(
@@ -328,7 +326,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     token_ids = service.encode_prompt(prompt["prompt_token_ids"], "messages")
     try:
         params = _params_for(service, parsed, [token_ids])
-    except InvalidRequestError as error:
+    except RequestError as error:
         if error.field == "max_tokens" and body.get("max_completion_tokens") is not None:
             # Name the field the client actually sent (the newer spelling of max_tokens).
             raise InvalidRequestError("max_completion_tokens",

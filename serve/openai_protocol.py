@@ -4,8 +4,10 @@ Pure functions over JSON-ready dicts and jaxinfer outputs, no I/O, so every fiel
 testable without a server. Request fields take OpenAI's names, plus the extensions vLLM users
 send (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`). A field of the wrong type or out of
-range raises `InvalidRequestError` naming it; fields OpenAI has and we do not serve (`echo`,
-`best_of` > n, `suffix`, tools) are refused rather than silently ignored.
+range raises `InvalidRequestError` naming it (the types and values of sampling fields are
+checked by `InferenceService.sampling_params`, which every body's fields go through); fields
+OpenAI has and we do not serve (`echo`, `best_of` > n, `suffix`, tools) are refused rather
+than silently ignored.
 """
 
 from __future__ import annotations
@@ -15,20 +17,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxinfer.engine.outputs import CompletionOutput
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
-from serve.service import InvalidRequestError
+from serve.service import SAMPLING_FIELDS, InvalidRequestError
 
-# OpenAI name -> SamplingParams name, for fields that pass straight through.
-_DIRECT_FIELDS = {
-    "n": "n", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "logit_bias": "logit_bias", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-    "include_stop_str_in_output": "include_stop_str_in_output",
-    "skip_special_tokens": "skip_special_tokens",
-}
+# SamplingParams fields a body sets under the same name (OpenAI's and vLLM's extensions); the
+# others are spelled differently by OpenAI (max_tokens, logprobs) or not served over HTTP.
+_DIRECT_FIELDS = tuple(name for name in SAMPLING_FIELDS
+                       if name not in {"max_tokens", "logprobs", "prompt_logprobs"})
 
 
 @dataclasses.dataclass
@@ -54,20 +49,8 @@ def _refuse_unsupported(body: Mapping[str, Any], names: Sequence[str]) -> None:
 
 
 def _common_fields(body: Mapping[str, Any]) -> dict[str, Any]:
-    fields = {ours: body.get(theirs) for theirs, ours in _DIRECT_FIELDS.items()}
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
-            raise InvalidRequestError("stop", "stop must be a string or a list of strings")
-        if not all(stop):
-            raise InvalidRequestError("stop", "stop strings must not be empty")
-        fields["stop"] = stop
-    if fields["logit_bias"] is not None and not isinstance(fields["logit_bias"], dict):
-        raise InvalidRequestError("logit_bias", "logit_bias must be an object of token id "
-                                                "to bias")
-    return fields
+    # Wire types and values are checked once, by `InferenceService.sampling_params`.
+    return {name: body.get(name) for name in _DIRECT_FIELDS}
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -102,10 +85,7 @@ def parse_completion(body: Mapping[str, Any]) -> ParsedRequest:
                                             "a list of either")
     fields = _common_fields(body)
     fields["max_tokens"] = body.get("max_tokens")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)):
-        raise InvalidRequestError("logprobs", "logprobs must be an integer (the top-n count)")
-    fields["logprobs"] = logprobs
+    fields["logprobs"] = body.get("logprobs")  # the top-n count
     stream, include_usage = _stream_options(body)
     return ParsedRequest(prompts, fields, stream, include_usage, chat=False)
 
@@ -187,23 +167,6 @@ def chat_logprobs(tokenizer: Any, token_ids: Sequence[int],
                               "bytes": list(_token_text(tokenizer, other).encode())}
                              for other, value in ranked]})
     return {"content": content}
-
-
-@dataclasses.dataclass
-class ChoiceTracker:
-    """What one choice (a prompt's sample) has already sent, to stream only what is new."""
-
-    sent_text: int = 0
-    sent_tokens: int = 0
-    finished: bool = False
-
-    def delta(self, sample: CompletionOutput) -> tuple[str, list[int], int]:
-        """(new text, new token ids, index of the first new token) since the last call."""
-        text = sample.text[self.sent_text:]
-        start = self.sent_tokens
-        tokens = list(sample.token_ids[start:])
-        self.sent_text, self.sent_tokens = len(sample.text), len(sample.token_ids)
-        return text, tokens, start
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list[dict[str, Any]],

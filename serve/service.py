@@ -2,15 +2,22 @@
 
 A front end (gRPC or HTTP) parses its wire format into plain Python values, then calls:
 
-    service.check_api_key(authorization_header)        # UnauthenticatedError
-    params = service.sampling_params(fields, prompt_len) # InvalidRequestError(field, message)
+    service.check_api_key(authorization_header)          # UnauthenticatedError
+    token_ids = service.encode_prompt(prompt, "prompt")    # RequestError(field, message)
+    params = service.sampling_params(fields, len(token_ids))  # RequestError(field, message)
     async for output in service.generate(prompt, params, request_id):  # OverloadedError
-        ...                                              # cumulative RequestOutputs
+        ...                                                # DELTA RequestOutputs
 
-and maps the three errors to its status codes (UNAUTHENTICATED / 401, INVALID_ARGUMENT / 400,
-RESOURCE_EXHAUSTED / 429). Everything the engine rejects (an empty prompt, unknown token ids, a
-prompt that fills the context) comes back as an `InvalidRequestError` that names the field, and
-nothing is queued, so the requests already running never notice.
+and maps the errors to its status codes (UNAUTHENTICATED / 401, INVALID_ARGUMENT / 400,
+RESOURCE_EXHAUSTED / 429). The request checks are the engine's (`InputProcessor`,
+`SamplingParams`): everything refused (an empty prompt, unknown token ids, a prompt that fills
+the context, a value out of range) is a `jaxinfer.engine.errors.RequestError` whose `field`
+names the field, so a front end maps `.field` to its wire name and never parses messages.
+Only what the engine cannot know is checked here: the wire types of the fields, unknown field
+names, and max_tokens' default and bound by the context. Nothing refused is queued, so the
+requests already running never notice.
+
+The servers ask for `RequestOutputKind.DELTA` outputs and stream them as they come.
 
 Admission is a bound on requests that have not yet been admitted to the engine's running set:
 when `max_queued_requests` are already waiting, a new one is refused at once rather than
@@ -23,23 +30,23 @@ import contextlib
 import dataclasses
 import hmac
 import itertools
+import types
+import typing
+from collections import abc
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from jaxinfer.engine.async_engine import AsyncEngine
 from jaxinfer.engine.core import Prompt
+from jaxinfer.engine.errors import RequestError
+from jaxinfer.engine.input_processor import InputProcessor
 from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from serve.metrics import ServingMetrics
 
-
-class InvalidRequestError(ValueError):
-    """A request field is wrong; `field` names it (None: the request as a whole)."""
-
-    def __init__(self, field: str | None, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
+# A request field is wrong: the engine's own error, raised by the serve-side checks too, so a
+# front end catches one type and maps its `field` to a wire name.
+InvalidRequestError = RequestError
 
 
 class OverloadedError(RuntimeError):
@@ -50,16 +57,42 @@ class UnauthenticatedError(PermissionError):
     """The call lacks the server's API key."""
 
 
-# SamplingParams fields a request may set, with the Python types each accepts on the wire.
+# SamplingParams fields a server does not let a request set (it decides them itself).
+_SERVER_FIELDS = frozenset({"output_kind"})
+
+
+def _wire_types(annotation: Any) -> tuple[type, ...]:
+    """The JSON / proto Python types a SamplingParams annotation accepts on the wire: a
+    float takes ints too, a sequence is a list, an optional value is its non-None types."""
+    members = typing.get_args(annotation) if isinstance(
+        annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union \
+        else (annotation,)
+    wire: list[type] = []
+    for member in members:
+        origin = typing.get_origin(member) or member
+        if member is type(None):
+            continue
+        if member is float:
+            wire += [int, float]
+        elif isinstance(origin, type) and issubclass(origin, abc.Sequence) \
+                and not issubclass(origin, str):
+            wire.append(list)
+        elif isinstance(origin, type) and issubclass(origin, abc.Mapping):
+            wire.append(dict)
+        else:
+            wire.append(origin)
+    return tuple(dict.fromkeys(wire))
+
+
+# SamplingParams fields a request may set, with the Python types each accepts on the wire
+# (derived from the dataclass, so a new sampling parameter needs no edit here).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "n": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,),
-    "min_p": (int, float), "seed": (int,), "presence_penalty": (int, float),
-    "frequency_penalty": (int, float), "repetition_penalty": (int, float),
-    "logit_bias": (dict,), "max_tokens": (int,), "min_tokens": (int,), "stop": (str, list),
-    "stop_token_ids": (list,), "include_stop_str_in_output": (bool,), "ignore_eos": (bool,),
-    "logprobs": (int,), "prompt_logprobs": (int,), "skip_special_tokens": (bool,),
-}
+    field.name: _wire_types(typing.get_type_hints(SamplingParams)[field.name])
+    for field in dataclasses.fields(SamplingParams) if field.name not in _SERVER_FIELDS}
 SAMPLING_FIELDS = tuple(_FIELD_TYPES)
+
+# The request id the engine's checks quote when a request is checked before it has one.
+_CHECK_ID = "new"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +127,8 @@ class InferenceService:
         self.metrics = ServingMetrics(engine.stats, config.model_name)
         self._ids = itertools.count()
         self._not_admitted = 0  # requests inside generate() that have produced nothing yet
+        # The engine's own request checks (stateless, so usable on the serving thread).
+        self._inputs = InputProcessor(engine.model_config, engine.config, engine.tokenizer)
 
     # ------------------------------------------------------------------ facts
 
@@ -139,40 +174,48 @@ class InferenceService:
             raise UnauthenticatedError("missing or wrong API key: send the header "
                                        "'authorization: Bearer <key>'")
 
+    def _engine_check(self, field: str, check: typing.Callable[[], Any]) -> Any:
+        """Runs one of the engine's checks; its "prompt" errors are renamed to `field` (the
+        prompt's wire name), and every refusal is counted."""
+        try:
+            return check()
+        except RequestError as error:
+            self.metrics.reject("invalid")
+            if error.field == "prompt" and field != "prompt":
+                raise InvalidRequestError(field, f"{field}: {error.message}") from None
+            raise
+
     def encode_prompt(self, prompt: Any, field: str = "prompt") -> list[int]:
-        """Text or token ids to a checked, non-empty list of token ids.
+        """Text or token ids to a checked, non-empty list of token ids (the engine's checks).
 
         Raises:
-            InvalidRequestError: Empty, of the wrong type, ids outside the vocabulary, text
-                without a tokenizer, or no room for output within max_model_len.
+            RequestError: On `field`: empty, of the wrong type, ids outside the vocabulary,
+                text without a tokenizer, or no room for output within max_model_len.
         """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError(field, f"{field} must not be empty")
-            if self.tokenizer is None:
-                raise InvalidRequestError(field, f"{field}: this model has no tokenizer; "
-                                                 "send token ids")
-            token_ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, list | tuple) and all(
-                isinstance(token, int) and not isinstance(token, bool) for token in prompt):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequestError(field, f"{field} must be a string or a list of token ids")
-        if not token_ids:
-            raise InvalidRequestError(field, f"{field} must hold at least one token")
-        bad = [token for token in token_ids if not 0 <= token < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(field, f"{field}: token ids {bad[:5]} are outside the "
-                                             f"vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                field, f"{field} has {len(token_ids)} tokens; this model's context is "
-                       f"{self.max_model_len} tokens, which leaves no room for output")
-        return token_ids
+        if prompt == "":
+            self.metrics.reject("invalid")
+            raise InvalidRequestError(field, f"{field} must not be empty")
+
+        def check() -> list[int]:
+            _, token_ids = self._inputs.tokenize(_CHECK_ID, prompt)
+            self._inputs.validate(_CHECK_ID, token_ids, SamplingParams(max_tokens=1))
+            return token_ids
+
+        return self._engine_check(field, check)
+
+    def check_token_ids(self, token_ids: abc.Iterable[int], field: str) -> list[int]:
+        """The ids as a list, each inside the vocabulary (the engine's check)."""
+        ids = list(token_ids)
+        self._engine_check(field, lambda: self._inputs.check_token_ids(
+            _CHECK_ID, field, field, ids))
+        return ids
 
     def sampling_params(self, fields: Mapping[str, Any], prompt_len: int,
                         default_max_tokens: int | None = 16) -> SamplingParams:
-        """Checks wire fields and builds SamplingParams.
+        """Checks wire fields and builds SamplingParams that ask for DELTA outputs.
+
+        The serve-only checks are here (wire types, unknown names, max_tokens' default and
+        its bound by the context); the values are checked by SamplingParams and the engine.
 
         Args:
             fields: SamplingParams field names to values; None values mean "not given".
@@ -180,49 +223,48 @@ class InferenceService:
             default_max_tokens: max_tokens when not given; None: the rest of the context.
 
         Raises:
-            InvalidRequestError: A field of the wrong type or out of range (named), or
+            RequestError: A field of the wrong type or out of range (named), or
                 prompt + max_tokens beyond max_model_len.
         """
-        given = {}
+        try:
+            return self._sampling_params(fields, prompt_len, default_max_tokens)
+        except RequestError:
+            self.metrics.reject("invalid")
+            raise
+
+    def _sampling_params(self, fields: Mapping[str, Any], prompt_len: int,
+                         default_max_tokens: int | None) -> SamplingParams:
+        given: dict[str, Any] = {}
         for name, value in fields.items():
             if value is None:
                 continue
             if name not in _FIELD_TYPES:
                 raise InvalidRequestError(name, f"unknown sampling parameter {name!r}")
-            types = _FIELD_TYPES[name]
-            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                wanted = " or ".join(t.__name__ for t in types)
-                raise InvalidRequestError(name, f"{name} must be {wanted}, "
+            wanted = _FIELD_TYPES[name]
+            if not isinstance(value, wanted) or (isinstance(value, bool) and bool not in wanted):
+                raise InvalidRequestError(name, f"{name} must be "
+                                                f"{' or '.join(t.__name__ for t in wanted)}, "
                                                 f"not {type(value).__name__}")
             given[name] = value
         room = self.max_model_len - prompt_len
         given.setdefault("max_tokens", room if default_max_tokens is None
                          else min(default_max_tokens, room))
-        if isinstance(given.get("logit_bias"), dict):
+        if "logit_bias" in given:  # JSON object keys are strings
             try:
-                given["logit_bias"] = {int(token): float(bias)
+                given["logit_bias"] = {int(token): bias
                                        for token, bias in given["logit_bias"].items()}
             except (TypeError, ValueError):
                 raise InvalidRequestError("logit_bias", "logit_bias must map token ids to "
                                                         "numbers") from None
-        try:
-            params = SamplingParams(**given)
-        except (ValueError, TypeError) as error:
-            message = str(error)
-            field = message.split(" = ", 1)[0] if " = " in message else None
-            raise InvalidRequestError(field if field in _FIELD_TYPES else None,
-                                      message) from None
+        params = SamplingParams(**given, output_kind=RequestOutputKind.DELTA)
         if params.max_tokens > room:
             raise InvalidRequestError(
                 "max_tokens", f"max_tokens = {params.max_tokens}: the prompt has {prompt_len} "
                               f"tokens and this model's context is {self.max_model_len}, so "
                               f"at most {room} can be generated")
-        for token in itertools.chain(params.stop_token_ids or (), (params.logit_bias or {})):
-            if not 0 <= token < self.vocab_size:
-                field = "stop_token_ids" if token in (params.stop_token_ids or ()) \
-                    else "logit_bias"
-                raise InvalidRequestError(field, f"{field}: token id {token} is outside the "
-                                                 f"vocabulary [0, {self.vocab_size})")
+        # The engine's checks against this model (stop_token_ids, logit_bias, ...); any
+        # prompt of this length passes the prompt's own, which encode_prompt ran.
+        self._inputs.validate(_CHECK_ID, [0] * max(prompt_len, 1), params)
         return params
 
     # ------------------------------------------------------------------ generation
@@ -233,13 +275,14 @@ class InferenceService:
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Serves one checked request; yields cumulative outputs, records its metrics.
+        """Serves one checked request; yields its outputs, records its metrics.
 
+        The outputs are what `params.output_kind` asks for (DELTA from `sampling_params`).
         Leaving the iteration early (cancellation, disconnect) aborts it and frees its pages.
 
         Raises:
             OverloadedError: `max_queued_requests` requests are already waiting.
-            InvalidRequestError: The engine refused the request (nothing was queued).
+            RequestError: The engine refused the request (nothing was queued).
             EngineDeadError: The engine is not running.
         """
         waiting = self.engine.stats().num_waiting
@@ -250,6 +293,9 @@ class InferenceService:
         timer = self.metrics.start_request()
         self._not_admitted += 1
         admitted = rejected = False
+        delta = params.output_kind is RequestOutputKind.DELTA
+        generated = 0  # tokens generated so far, every sample
+        reasons: dict[int, str | None] = {}  # sample index -> its finish reason
         last: RequestOutput | None = None
         try:
             try:
@@ -262,20 +308,29 @@ class InferenceService:
                             admitted = True
                             self._not_admitted -= 1
                         last = output
-                        timer.tokens(sum(len(sample.token_ids) for sample in output.outputs))
+                        new = sum(len(sample.token_ids) for sample in output.outputs)
+                        generated = generated + new if delta else new
+                        reasons.update((sample.index, sample.finish_reason)
+                                       for sample in output.outputs)
+                        timer.tokens(generated)
                         yield output
-            except ValueError as error:
+            except RequestError:
                 rejected = True
                 self.metrics.reject("invalid")
-                raise InvalidRequestError(None, str(error)) from None
+                raise
+            except ValueError as error:
+                # AsyncEngine refuses an id that is still in use with a plain ValueError.
+                rejected = True
+                self.metrics.reject("invalid")
+                raise InvalidRequestError("request_id", f"request_id: {error}") from None
         finally:
             if not admitted:
                 self._not_admitted -= 1
             if last is None and not rejected:
                 timer.finish("abort", 0)  # cancelled before its first output
             if last is not None:
-                reasons = {sample.finish_reason for sample in last.outputs}
-                reason = "abort" if not last.finished or "abort" in reasons else (
-                    sorted(reason for reason in reasons if reason)[0] if any(reasons)
+                given = set(reasons.values())
+                reason = "abort" if not last.finished or "abort" in given else (
+                    sorted(reason for reason in given if reason)[0] if any(given)
                     else "abort")
                 timer.finish(reason, len(last.prompt_token_ids))
