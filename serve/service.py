@@ -198,7 +198,7 @@ class InferenceService:
 
         def check() -> list[int]:
             _, token_ids = self._inputs.tokenize(_CHECK_ID, prompt)
-            self._inputs.validate(_CHECK_ID, token_ids, SamplingParams(max_tokens=1))
+            self._inputs.validate_prompt(_CHECK_ID, token_ids)
             return token_ids
 
         return self._engine_check(field, check)
@@ -262,9 +262,9 @@ class InferenceService:
                 "max_tokens", f"max_tokens = {params.max_tokens}: the prompt has {prompt_len} "
                               f"tokens and this model's context is {self.max_model_len}, so "
                               f"at most {room} can be generated")
-        # The engine's checks against this model (stop_token_ids, logit_bias, ...); any
-        # prompt of this length passes the prompt's own, which encode_prompt ran.
-        self._inputs.validate(_CHECK_ID, [0] * max(prompt_len, 1), params)
+        # The engine's checks of the parameters against this model (stop_token_ids,
+        # logit_bias, ...); the prompt's own ran in encode_prompt.
+        self._inputs.validate_params(_CHECK_ID, params)
         return params
 
     # ------------------------------------------------------------------ generation
@@ -318,11 +318,6 @@ class InferenceService:
                 rejected = True
                 self.metrics.reject("invalid")
                 raise
-            except ValueError as error:
-                # AsyncEngine refuses an id that is still in use with a plain ValueError.
-                rejected = True
-                self.metrics.reject("invalid")
-                raise InvalidRequestError("request_id", f"request_id: {error}") from None
         finally:
             if not admitted:
                 self._not_admitted -= 1

@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from jaxinfer.engine.core import Engine, EngineConfig, EngineStats, Prompt
+from jaxinfer.engine.errors import RequestError
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 
@@ -290,7 +291,7 @@ class AsyncEngine:
         if self._closed:
             raise EngineDeadError(self._dead_message())
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError("request_id", f"request id {request_id!r} is already in use")
         self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self._streams[request_id] = stream
 

@@ -175,19 +175,36 @@ class InputProcessor:
         Raises:
             RequestError: The field at fault is named.
         """
+        self.validate_prompt(request_id, token_ids)
+        self.validate_params(request_id, params)
+
+    def validate_prompt(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The prompt's checks: not empty, inside the vocabulary, room left for output.
+
+        Raises:
+            RequestError: On "prompt".
+        """
         if not token_ids:
             raise RequestError("prompt", f"request {request_id!r}: the prompt must hold at "
                                          "least one token")
         self.check_token_ids(request_id, "prompt", "prompt token ids", token_ids)
-        self.check_token_ids(request_id, "stop_token_ids", "stop_token_ids",
-                             params.stop_token_ids or ())
-        self.check_token_ids(request_id, "logit_bias", "logit_bias token ids",
-                             (params.logit_bias or {}).keys())
         max_model_len = self.config.max_model_len
         if len(token_ids) >= max_model_len:
             raise RequestError("prompt", f"request {request_id!r}: prompt of {len(token_ids)} "
                                f"tokens leaves no room for output within max_model_len = "
                                f"{max_model_len}")
+
+    def validate_params(self, request_id: str, params: SamplingParams) -> None:
+        """The sampling parameters' checks against this model and engine (their own value
+        checks ran when they were built).
+
+        Raises:
+            RequestError: The field at fault is named.
+        """
+        self.check_token_ids(request_id, "stop_token_ids", "stop_token_ids",
+                             params.stop_token_ids or ())
+        self.check_token_ids(request_id, "logit_bias", "logit_bias token ids",
+                             (params.logit_bias or {}).keys())
         if params.prompt_logprobs is not None and not self.config.compile.enable_prompt_logprobs:
             raise RequestError("prompt_logprobs", f"request {request_id!r}: prompt_logprobs "
                                "needs an engine built with enable_prompt_logprobs=True")
