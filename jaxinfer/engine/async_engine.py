@@ -38,14 +38,15 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from jaxinfer.engine.core import Engine, EngineConfig, EngineStats, Prompt
+from jaxinfer.engine.client import EngineClient, EngineStats
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.errors import RequestError
+from jaxinfer.engine.input_processor import Prompt
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxinfer.config import ModelConfig
-    from jaxinfer.engine.data_parallel import DataParallelEngine
     from jaxinfer.tokenizer import Tokenizer
 
 
@@ -99,14 +100,15 @@ class AsyncEngine:
     """Runs an `Engine` in a background thread and serves asyncio callers.
 
     Args:
-        engine: The engine to drive (an `Engine` or a `DataParallelEngine`); this object
-            owns it from now on: once started, only the engine thread touches it.
+        engine: The engine to drive (an `EngineClient`: an `Engine` or a
+            `DataParallelEngine`); this object owns it from now on: once started, only the
+            engine thread touches it.
         warm_up: Compile every step shape in `start()`, before serving.
         idle_wait_seconds: Longest block of the idle loop on the command queue before it
             checks again for shutdown (a command wakes it at once).
     """
 
-    def __init__(self, engine: Engine | DataParallelEngine, *, warm_up: bool = True,
+    def __init__(self, engine: EngineClient, *, warm_up: bool = True,
                  idle_wait_seconds: float = 0.5) -> None:
         self.engine = engine
         self._warm_up = warm_up
