@@ -368,6 +368,11 @@ class Engine:
         return self.runner.compilations + (
             self.drafter.compilations if self.drafter is not None else 0)
 
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """The engine's runner (one replica), as `DataParallelEngine.runners` lists its."""
+        return [self.runner]
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: Prompt,

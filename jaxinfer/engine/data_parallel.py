@@ -32,6 +32,7 @@ from jaxinfer.engine.core import (
     engine_config,
     load_tokenizer_of,
 )
+from jaxinfer.engine.device.runner import ModelRunner
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.parallel import place_on_mesh
 from jaxinfer.engine.sampling_params import SamplingParams
@@ -114,6 +115,11 @@ class DataParallelEngine:
     @property
     def compilations(self) -> int:
         return sum(replica.compilations for replica in self.replicas)
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """The replicas' runners, in replica order."""
+        return [replica.runner for replica in self.replicas]
 
     @property
     def num_steps(self) -> int:
