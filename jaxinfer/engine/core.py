@@ -15,9 +15,10 @@ pages) and collects logprobs. The scheduler never touches device arrays and the 
 makes scheduling decisions.
 
 Speculative decoding (`speculative={"method": "ngram", "num_tokens": k, "max_ngram": n}` or
-`{"method": "draft_model", "model": ..., "num_tokens": k}`): before each step, every running
-request that speculates and is decoding gets up to k drafts (`jaxinfer.engine.spec.ngram`,
-`jaxinfer.engine.spec.draft_model`); the scheduler budgets them, the runner verifies them with
+`{"method": "draft_model", "model": ..., "num_tokens": k}`): before each step, the engine's
+proposer (`jaxinfer.engine.spec.proposer.Proposer`: `ngram`, `draft_model`, or one passed in)
+drafts up to k tokens for every running request that speculates and is decoding; the engine
+hands the drafts to `Scheduler.schedule(drafts)`, which budgets them, the runner verifies them with
 exact speculative sampling in the same ragged step, and the scheduler keeps the accepted ones
 and rolls back the rest. A request speculates unless it opts out (`speculative=False`) or asks
 for something that changes per position or needs per-token results: logprobs, prompt
@@ -44,15 +45,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer.engine.device.runner import ModelRunner, PromptLogprobs, RunnerConfig, SampledToken
+from jaxinfer.engine.host.draft import Draft, SpecStats
 from jaxinfer.engine.host.request import Request
 from jaxinfer.engine.host.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.engine.output_processor import SampleState
-from jaxinfer.engine.outputs import RequestOutput, SpeculativeStats
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.parallel import ParallelConfig
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.spec.draft_model import DraftModelProposer
-from jaxinfer.engine.spec.ngram import SpeculativeConfig, propose_ngram
-from jaxinfer.model_loading import load_model, resolve_model_path
+from jaxinfer.engine.spec.ngram import SpeculativeConfig
+from jaxinfer.engine.spec.proposer import Proposer, build_proposer
+from jaxinfer.model_loading import resolve_model_path
 from jaxinfer.models import Transformer
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 
@@ -161,9 +163,14 @@ class EngineStats:
     num_accepted_tokens: int = 0
 
     @property
+    def spec(self) -> SpecStats:
+        """The speculative-decoding counters, with their rates."""
+        return SpecStats(self.num_spec_steps, self.num_draft_tokens, self.num_accepted_tokens)
+
+    @property
     def spec_acceptance_rate(self) -> float:
         """Accepted over drafted tokens (0 before any draft)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return self.spec.acceptance_rate
 
 
 class _RequestState:
@@ -182,7 +189,7 @@ class _RequestState:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             None if params.prompt_logprobs is None else [None])
         self.deferred: list[Request] = []  # samples waiting for the prompt to be cached
-        self.speculative: SpeculativeStats | None = None
+        self.speculative: SpecStats | None = None
 
     @property
     def finished(self) -> bool:
@@ -268,7 +275,8 @@ class Engine:
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, *,
-                 draft_model: Transformer | None = None, mesh: Mesh | None = None) -> None:
+                 draft_model: Transformer | None = None, mesh: Mesh | None = None,
+                 proposer: Proposer | None = None) -> None:
         """Builds the scheduler, the page pool and the jitted step (not yet compiled).
 
         Args:
@@ -279,10 +287,12 @@ class Engine:
                 already built; None loads the config's `model` name.
             mesh: The replica's device mesh (see `jaxinfer.engine.parallel`); None: one
                 device. The page pool is split over it like the model's KV heads.
+            proposer: Drafts tokens in place of the one `speculative` names (which still
+                sets how many are verified, and whether drafts carry distributions).
 
         Raises:
-            ValueError: An invalid config (the field is named), or a drafter whose
-                vocabulary differs from the target's.
+            ValueError: An invalid config (the field is named), a drafter whose
+                vocabulary differs from the target's, or a proposer without `speculative`.
         """
         config = (config or EngineConfig()).resolved(model.config.max_position_embeddings)
         if config.data_parallel_size != 1:
@@ -311,16 +321,11 @@ class Engine:
                                  and config.speculative.method == "draft_model")),
             mesh=mesh)
         self.speculative: SpeculativeConfig | None = config.speculative
-        self.spec_stats = SpeculativeStats()
-        self.drafter: DraftModelProposer | None = None
-        if self.speculative is not None and self.speculative.method == "draft_model":
-            drafter = draft_model if draft_model is not None else load_model(
-                self.speculative.model)
-            if drafter.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"the drafter's vocabulary ({drafter.config.vocab_size}) "
-                                 f"differs from the target's ({model.config.vocab_size})")
-            self.drafter = DraftModelProposer(drafter, self.runner.config,
-                                              self.speculative.num_tokens)
+        self.spec_stats = SpecStats()
+        if proposer is not None and self.speculative is None:
+            raise ValueError("a proposer needs speculative options (num_tokens at least)")
+        self.proposer: Proposer | None = proposer if proposer is not None else build_proposer(
+            self.speculative, model, self.runner.config, draft_model=draft_model)
         self._requests: dict[str, _RequestState] = {}
         self._children: dict[str, tuple[_RequestState, int]] = {}  # scheduler id -> sample
         self.num_steps = 0
@@ -356,17 +361,17 @@ class Engine:
         return load_engine(model, tokenizer=tokenizer, dtype=dtype, **engine_options)
 
     def warm_up(self) -> float:
-        """Compiles every bucket of the device step (and the drafter's); returns seconds."""
+        """Compiles every bucket of the device step (and the proposer's); returns seconds."""
         seconds = self.runner.warm_up()
-        if self.drafter is not None:
-            seconds += self.drafter.warm_up()
+        if self.proposer is not None:
+            seconds += self.proposer.warm_up()
         return seconds
 
     @property
     def compilations(self) -> int:
-        """Programs compiled so far, the drafter's included (constant after `warm_up`)."""
+        """Programs compiled so far, the proposer's included (constant after `warm_up`)."""
         return self.runner.compilations + (
-            self.drafter.compilations if self.drafter is not None else 0)
+            self.proposer.compilations if self.proposer is not None else 0)
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -410,7 +415,7 @@ class Engine:
         state = _RequestState(request_id, text, token_ids, params, self.tokenizer)
         speculate = speculative and self.speculative is not None and _can_speculate(params)
         if speculate:
-            state.speculative = SpeculativeStats()
+            state.speculative = SpecStats()
         children = []
         for index in range(params.n):
             child_params = params
@@ -496,8 +501,8 @@ class Engine:
             child_id = request_id if state.params.n == 1 else f"{request_id}#{index}"
             self.scheduler.abort_request(child_id)
             self._children.pop(child_id, None)
-            if self.drafter is not None:
-                self.drafter.release([child_id])
+            if self.proposer is not None:
+                self.proposer.release([child_id])
             if not sample.finished:
                 sample.finish_reason = "abort"
         state.deferred = []
@@ -520,9 +525,7 @@ class Engine:
         Returns:
             A cumulative RequestOutput for each request that got tokens or finished.
         """
-        if self.speculative is not None:
-            self._propose_drafts()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._propose_drafts())
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if scheduled.is_empty:
             return []
@@ -551,8 +554,8 @@ class Engine:
                 self.scheduler.abort_request(output.request_id)  # a stop string matched
             if state.samples[index].finished:
                 del self._children[output.request_id]
-                if self.drafter is not None:
-                    self.drafter.release([output.request_id])
+                if self.proposer is not None:
+                    self.proposer.release([output.request_id])
             if state.deferred:
                 # The first sample has its first token, so its prompt blocks are cached.
                 for child in state.deferred:
@@ -564,20 +567,13 @@ class Engine:
                 del self._requests[request_id]
         return [state.output() for state in touched.values()]
 
-    def _propose_drafts(self) -> None:
-        """Gives each speculating, decoding request its drafts for the coming step."""
-        config = self.speculative
-        decoding = []
-        for request in self.scheduler.running:
-            request.spec_token_ids, request.spec_draft_probs = [], None
-            if request.speculate and _is_decoding(request):
-                decoding.append(request)
-        if self.drafter is not None:
-            self.drafter.propose(decoding, self.config.max_model_len)
-            return
-        for request in decoding:
-            request.spec_token_ids = propose_ngram(request.all_token_ids, config.num_tokens,
-                                                   config.max_ngram, config.min_ngram)
+    def _propose_drafts(self) -> dict[str, Draft] | None:
+        """The proposer's drafts for the speculating, decoding requests' coming step."""
+        if self.proposer is None:
+            return None
+        decoding = [request for request in self.scheduler.running
+                    if request.speculate and _is_decoding(request)]
+        return self.proposer.propose(decoding) if decoding else {}
 
     # ------------------------------------------------------------------ metrics
 
