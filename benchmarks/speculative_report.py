@@ -24,6 +24,7 @@ import jax
 
 from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.spec.draft_model import DraftModelProposer
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -75,7 +76,8 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, temperature: float
         output_len: int) -> dict:
     """Generates `output_len` tokens per prompt, `batch` requests at a time."""
     steps_before, spec_before = engine.num_steps, engine.stats()
-    drafter = engine.drafter
+    # Only a draft model has a cost of its own to report; prompt lookup is host-side.
+    drafter = engine.proposer if isinstance(engine.proposer, DraftModelProposer) else None
     draft_before = (drafter.num_steps, drafter.seconds) if drafter else (0, 0.0)
     tokens: dict[int, list[int]] = {}
     request_steps = 0  # (request, target step) pairs that emitted tokens

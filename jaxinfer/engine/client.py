@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from jaxinfer.engine.host.draft import SpecStats
+
 if TYPE_CHECKING:
     from jaxinfer.config import ModelConfig
     from jaxinfer.engine.config import EngineConfig
@@ -56,9 +58,14 @@ class EngineStats:
     num_unfinished_requests: int = 0
 
     @property
+    def spec(self) -> SpecStats:
+        """The speculative-decoding counters, with their rates."""
+        return SpecStats(self.num_spec_steps, self.num_draft_tokens, self.num_accepted_tokens)
+
+    @property
     def spec_acceptance_rate(self) -> float:
         """Accepted over drafted tokens (0 before any draft)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return self.spec.acceptance_rate
 
 
 @runtime_checkable

@@ -44,15 +44,14 @@ from jaxinfer.engine.client import EngineStats
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig
 from jaxinfer.engine.errors import RequestError
+from jaxinfer.engine.host.draft import Draft, SpecStats
 from jaxinfer.engine.host.request import Request
 from jaxinfer.engine.host.scheduler import Scheduler
 from jaxinfer.engine.input_processor import InputProcessor, ProcessedRequest, Prompt
 from jaxinfer.engine.output_processor import OutputProcessor
-from jaxinfer.engine.outputs import RequestOutput, SpeculativeStats
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.spec.draft_model import DraftModelProposer
-from jaxinfer.engine.spec.ngram import propose_ngram
-from jaxinfer.model_loading import load_model
+from jaxinfer.engine.spec.proposer import Proposer, build_proposer
 from jaxinfer.models import Transformer
 from jaxinfer.tokenizer import Tokenizer
 
@@ -87,7 +86,8 @@ class Engine:
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, *,
-                 draft_model: Transformer | None = None, mesh: Mesh | None = None) -> None:
+                 draft_model: Transformer | None = None, mesh: Mesh | None = None,
+                 proposer: Proposer | None = None) -> None:
         """Builds the scheduler, the page pool and the jitted step (not yet compiled).
 
         Args:
@@ -98,10 +98,12 @@ class Engine:
                 already built; None loads the config's `model` name.
             mesh: The replica's device mesh (see `jaxinfer.engine.parallel`); None: one
                 device. The page pool is split over it like the model's KV heads.
+            proposer: Drafts tokens in place of the one `speculative` names (which still
+                sets how many are verified, and whether drafts carry distributions).
 
         Raises:
-            ValueError: An invalid config (the field is named), or a drafter whose
-                vocabulary differs from the target's.
+            ValueError: An invalid config (the field is named), a drafter whose
+                vocabulary differs from the target's, or a proposer without `speculative`.
         """
         config = (config or EngineConfig()).resolved(model.config.max_position_embeddings)
         if config.parallel.data_parallel_size != 1:
@@ -115,16 +117,11 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.runner = ModelRunner(model, runner_config(config), mesh=mesh)
         self.speculative = config.speculative
-        self.spec_stats = SpeculativeStats()
-        self.drafter: DraftModelProposer | None = None
-        if self.speculative is not None and self.speculative.method == "draft_model":
-            drafter = draft_model if draft_model is not None else load_model(
-                self.speculative.model)
-            if drafter.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"the drafter's vocabulary ({drafter.config.vocab_size}) "
-                                 f"differs from the target's ({model.config.vocab_size})")
-            self.drafter = DraftModelProposer(drafter, self.runner.config,
-                                              self.speculative.num_tokens)
+        self.spec_stats = SpecStats()
+        if proposer is not None and self.speculative is None:
+            raise ValueError("a proposer needs speculative options (num_tokens at least)")
+        self.proposer: Proposer | None = proposer if proposer is not None else build_proposer(
+            self.speculative, model, self.runner.config, draft_model=draft_model)
         self.input_processor = InputProcessor(model.config, config, tokenizer,
                                               speculative=self.speculative is not None)
         self.output_processor = OutputProcessor(tokenizer)
@@ -140,17 +137,17 @@ class Engine:
         return [self.runner]
 
     def warm_up(self) -> float:
-        """Compiles every bucket of the device step (and the drafter's); returns seconds."""
+        """Compiles every bucket of the device step (and the proposer's); returns seconds."""
         seconds = self.runner.warm_up()
-        if self.drafter is not None:
-            seconds += self.drafter.warm_up()
+        if self.proposer is not None:
+            seconds += self.proposer.warm_up()
         return seconds
 
     @property
     def compilations(self) -> int:
-        """Programs compiled so far, the drafter's included (constant after `warm_up`)."""
+        """Programs compiled so far, the proposer's included (constant after `warm_up`)."""
         return self.runner.compilations + (
-            self.drafter.compilations if self.drafter is not None else 0)
+            self.proposer.compilations if self.proposer is not None else 0)
 
     # ------------------------------------------------------------------ requests
 
@@ -224,8 +221,8 @@ class Engine:
             self._deferred.pop(sample_ids[0], None)
         for sample_id in sample_ids:
             self.scheduler.abort_request(sample_id)
-        if self.drafter is not None:
-            self.drafter.release(sample_ids)
+        if self.proposer is not None:
+            self.proposer.release(sample_ids)
         return output
 
     def has_unfinished_requests(self) -> bool:
@@ -246,9 +243,7 @@ class Engine:
             An output for each request that got tokens or finished, shaped by its
             `output_kind` (cumulative, delta, or final only).
         """
-        if self.speculative is not None:
-            self._propose_drafts()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._propose_drafts())
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if scheduled.is_empty:
             return []
@@ -264,28 +259,21 @@ class Engine:
             updates, result.sampled, result.prompt_logprobs)
         for sample_id in stopped:
             self.scheduler.abort_request(sample_id)  # a stop string matched
-        if self.drafter is not None and finished:
-            self.drafter.release(finished)
+        if self.proposer is not None and finished:
+            self.proposer.release(finished)
         for update in updates:
             # Sample 0 has its first token, so its prompt blocks are cached: admit the rest.
             for sample in self._deferred.pop(update.request_id, ()):
                 self.scheduler.add_request(sample)
         return outputs
 
-    def _propose_drafts(self) -> None:
-        """Gives each speculating, decoding request its drafts for the coming step."""
-        config = self.speculative
-        decoding = []
-        for request in self.scheduler.running:
-            request.spec_token_ids, request.spec_draft_probs = [], None
-            if request.speculate and _is_decoding(request):
-                decoding.append(request)
-        if self.drafter is not None:
-            self.drafter.propose(decoding, self.config.max_model_len)
-            return
-        for request in decoding:
-            request.spec_token_ids = propose_ngram(request.all_token_ids, config.num_tokens,
-                                                   config.max_ngram, config.min_ngram)
+    def _propose_drafts(self) -> dict[str, Draft] | None:
+        """The proposer's drafts for the speculating, decoding requests' coming step."""
+        if self.proposer is None:
+            return None
+        decoding = [request for request in self.scheduler.running
+                    if request.speculate and _is_decoding(request)]
+        return self.proposer.propose(decoding) if decoding else {}
 
     # ------------------------------------------------------------------ metrics
 

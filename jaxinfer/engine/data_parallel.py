@@ -130,6 +130,7 @@ class DataParallelEngine:
     def compilations(self) -> int:
         return sum(replica.compilations for replica in self.replicas)
 
+
     @property
     def num_steps(self) -> int:
         """Device steps of all replicas."""

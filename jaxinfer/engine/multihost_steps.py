@@ -3,7 +3,7 @@
 In a multi-host run (`jaxinfer.distributed`), each process loads the same engine onto the
 same global meshes (`jaxinfer.engine.parallel` gives every replica a share of every process's
 devices). Process 0, the leader, owns the front ends and the scheduler: `lead` makes each of
-its runners send every step's packed host inputs, tagged with the replica index, down a
+its runners send every step's kind and `StepInputs`, tagged with the replica index, down a
 `jaxinfer.multihost.StepChannel` before running it. Every other process calls `follow`, which
 runs the same steps on the same inputs in the same order, until the leader closes the channel.
 Because warm-up is a sequence of steps too, followers compile what the leader compiles.
@@ -17,19 +17,24 @@ from __future__ import annotations
 import logging
 
 from jaxinfer.engine.client import EngineClient
-from jaxinfer.engine.device.runner import ModelRunner
-from jaxinfer.multihost import StepChannel
+from jaxinfer.engine.device.sampler import SamplingArrays
+from jaxinfer.engine.device.step_io import StepInputs
+from jaxinfer.models import PagedBatch
+from jaxinfer.multihost import StepChannel, register_payload_types
 
 logger = logging.getLogger(__name__)
 
-
-def runners_of(engine: EngineClient) -> list[ModelRunner]:
-    """The engine's runners, one per data-parallel replica, in replica order."""
-    return engine.runners
+# What a step message carries besides numpy arrays; registered by name on every process (the
+# leader and the followers both import this module) rather than trusted because some module
+# happens to be imported.
+register_payload_types(StepInputs, PagedBatch, SamplingArrays)
 
 
 def lead(engine: EngineClient, channel: StepChannel) -> None:
     """Makes the leader's runners send each step to the followers before running it.
+
+    The engine is built first (by `load_engine`, which knows nothing of channels), so its
+    runners are told to lead afterwards, each with its replica index as tag.
 
     Raises:
         ValueError: `channel` is a follower's end, or the engine drafts with a separate
@@ -42,8 +47,8 @@ def lead(engine: EngineClient, channel: StepChannel) -> None:
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError("speculative decoding with a draft model is not supported across "
                          "several processes yet; use the ngram method")
-    for index, runner in enumerate(runners_of(engine)):
-        runner.channel, runner.channel_tag = channel, index
+    for index, runner in enumerate(engine.runners):
+        runner.lead(channel, index)
 
 
 def follow(engine: EngineClient, channel: StepChannel) -> int:
@@ -56,13 +61,13 @@ def follow(engine: EngineClient, channel: StepChannel) -> int:
         ValueError: A message for a replica or step kind this engine does not have (the
             processes were started with different options).
     """
-    runners = runners_of(engine)
+    runners = engine.runners
     count = 0
-    for kind, (tag, packed) in channel:
+    for kind, (tag, inputs) in channel:
         if not 0 <= tag < len(runners):
             raise ValueError(f"the leader sent a step for replica {tag}, but this process "
                              f"has {len(runners)}: start every process with the same options")
-        runners[tag].run_packed(kind, packed)
+        runners[tag].run(kind, inputs)
         count += 1
     logger.info("the leader closed the step channel after %d steps", count)
     return count

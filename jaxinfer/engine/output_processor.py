@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from jaxinfer.detokenizer import IncrementalDetokenizer
+from jaxinfer.engine.host.draft import SpecStats
 from jaxinfer.engine.input_processor import ProcessedRequest, child_request_id
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, SpeculativeStats
+from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
 from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 
@@ -173,8 +174,8 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             None if params.prompt_logprobs is None else [None])
         self._prompt_logprobs_sent = False
-        self.speculative: SpeculativeStats | None = (
-            SpeculativeStats() if processed.speculate else None)
+        self.speculative: SpecStats | None = (
+            SpecStats() if processed.speculate else None)
 
     @property
     def finished(self) -> bool:
@@ -215,7 +216,7 @@ class RequestState:
         finished = final or self.finished
         if self.kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        speculative = None if self.speculative is None else SpeculativeStats(
+        speculative = None if self.speculative is None else SpecStats(
             **vars(self.speculative))
         if self.kind is not RequestOutputKind.DELTA:
             return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,

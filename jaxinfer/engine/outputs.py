@@ -1,9 +1,11 @@
-"""What users get back (vLLM's shapes): `RequestOutput` holding `CompletionOutput`s, and the
-speculative-decoding counters reported per request and per engine."""
+"""What users get back (vLLM's shapes): `RequestOutput` holding `CompletionOutput`s, with the
+request's speculative-decoding counters (`jaxinfer.engine.host.draft.SpecStats`)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from jaxinfer.engine.host.draft import SpecStats
 
 
 @dataclasses.dataclass
@@ -35,39 +37,6 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
-class SpeculativeStats:
-    """Speculative-decoding counters (of one request, or of the whole engine).
-
-    Attributes:
-        num_spec_steps: Target steps that verified drafts.
-        num_draft_tokens: Draft tokens verified.
-        num_accepted_tokens: Of those, the accepted ones.
-    """
-
-    num_spec_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Counts one verification step (nothing if it had no drafts)."""
-        if num_draft_tokens:
-            self.num_spec_steps += 1
-            self.num_draft_tokens += num_draft_tokens
-            self.num_accepted_tokens += num_accepted_tokens
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts over drafted tokens (0 before any draft)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Accepted drafts per verification step (0 before any); each such step emits this
-        plus one token."""
-        return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
-
-
-@dataclasses.dataclass
 class RequestOutput:
     """A request's prompt and its samples so far.
 
@@ -90,7 +59,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    speculative: SpeculativeStats | None = None
+    speculative: SpecStats | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Appends a DELTA output of the same request (`SamplingParams.output_kind`), so a

@@ -9,11 +9,17 @@ runs the model over the paged cache (donated, so it is updated in place), and sa
 token per request from the logits of its last token, on device, with per-request
 parameters and per-request PRNG keys.
 
-Speculative decoding (`num_speculative_tokens` = K > 0): a request's step may end with up to K
+The host side and the device side meet in two typed tuples (`jaxinfer.engine.device.step_io`,
+which also holds the shape legend used here): `prepare` packs the scheduled requests into
+`StepInputs`, `run` runs the jitted step on them and returns `StepOutputs`, and `execute` does
+both and unpacks the results per request for the engine. A multi-host leader's runner sends
+each step's kind and `StepInputs` to the followers before running it; they call `run`.
+
+Speculative decoding (`num_speculative_tokens` = R > 0): a request's step may end with up to R
 draft tokens (`ScheduledRequest.spec_token_ids`). The step then also takes the logits at its
-last known token and at each draft (`[S, K + 1, V]`, one lm-head pass over S * (K + 1) gathered
+last known token and at each draft (`[S, R + 1, V]`, one lm-head pass over S * (R + 1) gathered
 rows, skipped when no request has drafts) and verifies the drafts on device with exact
-speculative sampling (`jaxinfer.engine.spec.verify.verify`); drafts are `[S, K]` arrays with a
+speculative sampling (`jaxinfer.engine.spec.verify.verify`); drafts are `[S, R]` arrays with a
 per-row count, so the step's shapes, and its compiled programs, stay those of its buckets.
 
 Shapes depend only on the two bucket sizes, so `warm_up` compiles every (T, S) pair once and
@@ -25,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +48,7 @@ from jaxinfer.engine.device.sampler import (
     prompt_top_logprobs,
     sample_tokens,
 )
+from jaxinfer.engine.device.step_io import PROMPT_STEP, STEP, STEP_KINDS, StepInputs, StepOutputs
 from jaxinfer.engine.host.scheduler import ScheduledRequest
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.spec.verify import Verification, sampling_probabilities, verify
@@ -72,11 +80,11 @@ class RunnerConfig:
         cache_dtype: KV page dtype (default: the model's compute dtype); "int8" keeps int8
             pages with a float32 scale per token and KV head.
         min_token_bucket: The smallest token bucket.
-        max_logprobs: K, the top logprobs computed per token when a request asks for any.
+        max_logprobs: M, the top logprobs computed per token when a request asks for any.
         enable_prompt_logprobs: Compile (and allow) the step that returns prompt logprobs.
         bucket_growth: Ratio of consecutive buckets: 2 pads least, 4 compiles fewer programs
             (faster warm-up) at up to 4x padding.
-        num_speculative_tokens: K, the most draft tokens a request may bring to a step
+        num_speculative_tokens: R, the most draft tokens a request may bring to a step
             (0: no speculative decoding).
         draft_distributions: Whether drafts come with the drafter's distributions (a draft
             model) rather than as point masses (prompt lookup).
@@ -140,9 +148,9 @@ class SampledToken:
         token_id: The sampled token.
         logprob: Its log-probability (after bias, penalties and min_tokens; see
             `jaxinfer.engine.device.sampler`).
-        top_token_ids: `[K]` the K most likely tokens, most likely first (K is the runner's
+        top_token_ids: `[M]` the M most likely tokens, most likely first (M is the runner's
             `max_logprobs`; empty when no request of the step asked for logprobs).
-        top_logprobs: `[K]` their log-probabilities.
+        top_logprobs: `[M]` their log-probabilities.
         probabilities: `[V]` the distribution the token was drawn from (after temperature,
             min_p, top-k and top-p), with `return_probabilities`; else None. Zeros when the
             whole step was greedy (greedy drafts are verified by argmax, not by q).
@@ -163,8 +171,8 @@ class PromptLogprobs:
         first_position: Prompt position of the first token described (>= 1: the first prompt
             token has nothing before it to predict it).
         logprobs: `[C]` each token's log-probability given the tokens before it (raw logits).
-        top_token_ids: `[C, K]` the K most likely tokens at each of those positions.
-        top_logprobs: `[C, K]` their log-probabilities.
+        top_token_ids: `[C, M]` the M most likely tokens at each of those positions.
+        top_logprobs: `[C, M]` their log-probabilities.
     """
 
     first_position: int
@@ -190,7 +198,12 @@ class RunnerOutput:
     speculated: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
-def _bucket(size: int, buckets: Sequence[int]) -> int:
+def bucket_for(size: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `size`.
+
+    Raises:
+        ValueError: `size` exceeds the largest bucket.
+    """
     for bucket in buckets:
         if size <= bucket:
             return bucket
@@ -207,7 +220,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, config: RunnerConfig, *, mesh: Mesh | None = None,
-                 layout: str = "tensor_parallel") -> None:
+                 layout: str = "tensor_parallel", channel: StepChannel | None = None,
+                 channel_tag: int = 0) -> None:
         """Builds the page pool and the jitted steps (not yet compiled).
 
         Args:
@@ -217,6 +231,10 @@ class ModelRunner:
                 is split over the mesh axis that splits KV heads, so each device holds the
                 pages of its own heads; inputs are replicated and outputs gathered.
             layout: The sharding layout the model was placed with.
+            channel: The leader's end of a multi-host step channel: every step's inputs go
+                down it before the step runs (see `lead`); None: a single process.
+            channel_tag: This runner's replica index, sent with each step so a follower
+                hands it to the same replica's runner.
         """
         self.config = config
         self.model_config = model.config
@@ -225,11 +243,10 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.pages, self.scales = self._allocate_pages()  # scales: None unless int8
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        # Multi-host: process 0's runner sends every step's inputs down this channel (tagged
-        # with the runner's replica index) so the followers run the same step on their
-        # shards; see `jaxinfer.engine.multihost_steps`.
-        self.channel: StepChannel | None = None
-        self.channel_tag = 0
+        self._channel: StepChannel | None = None
+        self._channel_tag = 0
+        if channel is not None:
+            self.lead(channel, channel_tag)
         # On a mesh the outputs' placement is pinned: the pool keeps its own sharding (so
         # the donated buffers are reused and every call after the first sees the inputs the
         # program was compiled for), and the results are replicated for every process.
@@ -241,7 +258,7 @@ class ModelRunner:
         self._prompt_step = jax.jit(
             functools.partial(self._device_step, with_prompt_logprobs=True),
             donate_argnums=(1, 2), out_shardings=out_shardings)
-        self._steps = {"step": self._step, "prompt_step": self._prompt_step}
+        self._steps = {STEP: self._step, PROMPT_STEP: self._prompt_step}
         self.warm_up_seconds: float | None = None
 
     def _allocate_pages(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
@@ -268,25 +285,23 @@ class ModelRunner:
     # ------------------------------------------------------------------ device step
 
     def _device_step(self, state: nnx.State, pages: tuple[jax.Array, ...],
-                     scales: tuple[jax.Array, ...] | None, token_ids: jax.Array,
-                     positions: jax.Array, batch: PagedBatch,
-                     last_token_index: jax.Array, sampling: SamplingArrays, seeds: jax.Array,
-                     output_index: jax.Array, want_logprobs: jax.Array,
-                     next_token_ids: jax.Array, draft_token_ids: jax.Array,
-                     num_draft_tokens: jax.Array, draft_probs: jax.Array | None, *,
+                     scales: tuple[jax.Array, ...] | None, inputs: StepInputs, *,
                      with_prompt_logprobs: bool
                      ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None,
-                                dict[str, jax.Array]]:
+                                StepOutputs]:
         model = nnx.merge(self.graphdef, state)
-        hidden, cache = model.hidden_states(token_ids[None], positions[None],
-                                            PagedKVCache(pages, batch, scales))  # [1, T, D]
-        result: dict[str, jax.Array] = {}
+        last_token_index, sampling = inputs.last_token_index, inputs.sampling  # [S]
+        hidden, cache = model.hidden_states(
+            inputs.token_ids[None], inputs.positions[None],
+            PagedKVCache(pages, inputs.batch, scales))  # [1, T, D]
+        prompt: dict[str, jax.Array] = {}
         if with_prompt_logprobs:
             all_logits = model.logits(hidden)[0]  # [T, V]
             logits = all_logits[last_token_index]  # [S, V]
-            result["prompt_logprobs"] = prompt_logprobs(all_logits, next_token_ids)  # [T]
-            ids, values = prompt_top_logprobs(all_logits, self.config.max_logprobs)
-            result["prompt_top_ids"], result["prompt_top_logprobs"] = ids, values  # [T, K]
+            prompt["prompt_logprobs"] = prompt_logprobs(all_logits,
+                                                        inputs.next_token_ids)  # [T]
+            ids, values = prompt_top_logprobs(all_logits, self.config.max_logprobs)  # [T, M]
+            prompt["prompt_top_ids"], prompt["prompt_top_logprobs"] = ids, values
         else:
             last_hidden = hidden[0, last_token_index][None]  # [1, S, D]
             logits = model.logits(last_hidden)[0]  # [S, V]
@@ -298,28 +313,33 @@ class ModelRunner:
         # seeded request draws the same tokens whatever else is in the batch, and after a
         # preemption it redraws exactly what it drew before.
         keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
-            seeds, output_index)  # [S]
+            inputs.seeds, inputs.output_index)  # [S]
 
         def with_top(num_logprobs: int):
             return lambda: sample_tokens(logits, keys, sampling, num_logprobs)
 
-        # The top-K pass over [S, V] runs only in steps where some request wants logprobs.
+        # The top-M pass over [S, V] runs only in steps where some request wants logprobs.
         tokens, chosen, top_ids, top_values = jax.lax.cond(
-            jnp.any(want_logprobs), with_top(self.config.max_logprobs),
-            lambda: _without_top(with_top(0)(), self.config.max_logprobs))
-        result.update(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_values)
+            jnp.any(inputs.want_logprobs), with_top(self.config.max_logprobs),
+            lambda: _without_top(with_top(0)(), self.config.max_logprobs))  # [S], [S, M]
+        probabilities = None
         if self.config.return_probabilities:
             # Greedy drafts are verified by argmax alone, so an all-greedy batch skips the
             # [S, V] sorts of top-k/top-p.
-            result["probabilities"] = jax.lax.cond(
+            probabilities = jax.lax.cond(
                 jnp.all(greedy_rows(sampling)), lambda: jnp.zeros(logits.shape, jnp.float32),
                 lambda: sampling_probabilities(logits, sampling))  # [S, V]
+        verification = None
         if self.config.num_speculative_tokens:
             verification = self._verify(model, hidden, last_token_index, sampling, keys,
-                                        draft_token_ids, num_draft_tokens, draft_probs)
-            result.update(spec_tokens=verification.token_ids,
-                          num_accepted=verification.num_accepted)
-        return cache.layers, cache.scales, result
+                                        inputs.draft_token_ids, inputs.num_draft_tokens,
+                                        inputs.draft_probs)
+        outputs = StepOutputs(
+            tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_values,
+            probabilities=probabilities, **prompt,
+            spec_tokens=None if verification is None else verification.token_ids,  # [S, R + 1]
+            num_accepted=None if verification is None else verification.num_accepted)  # [S]
+        return cache.layers, cache.scales, outputs
 
     def _verify(self, model: Transformer, hidden: jax.Array, last_token_index: jax.Array,
                 sampling: SamplingArrays, keys: jax.Array, draft_token_ids: jax.Array,
@@ -332,12 +352,12 @@ class ModelRunner:
         # a row's drafts repeat its last token, and verify ignores them.
         first = last_token_index - num_draft_tokens  # [S]
         window = jnp.minimum(first[:, None] + jnp.arange(positions)[None, :],
-                             last_token_index[:, None])  # [S, K + 1]
-        window = jnp.maximum(window, 0)  # [S, K + 1]; padding rows point at token 0
+                             last_token_index[:, None])  # [S, R + 1]
+        window = jnp.maximum(window, 0)  # [S, R + 1]; padding rows point at token 0
 
         def scored() -> Verification:
-            rows = hidden[0, window.reshape(-1)][None]  # [1, S * (K + 1), D]
-            logits = model.logits(rows)[0].reshape(num_seqs, positions, -1)  # [S, K + 1, V]
+            rows = hidden[0, window.reshape(-1)][None]  # [1, S * (R + 1), D]
+            logits = model.logits(rows)[0].reshape(num_seqs, positions, -1)  # [S, R + 1, V]
             return verify(logits, draft_token_ids, draft_probs, num_draft_tokens, sampling,
                           keys)
 
@@ -350,25 +370,71 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host side
 
+    def prepare(self, sequences: Sequence[ScheduledRequest]) -> StepInputs:
+        """Packs the scheduled requests into one step's inputs, padded to its buckets.
+
+        Each request's `sampling_params` is None (greedy) or a
+        `jaxinfer.engine.sampling_params.SamplingParams`; a request without a seed samples
+        from a stream derived from its id.
+
+        Raises:
+            ValueError: No requests, more tokens or sequences than the largest bucket, a
+                sequence that runs past its page table, more drafts than the runner
+                verifies, or drafts without distributions where the runner wants them.
+        """
+        if not sequences:
+            raise ValueError("a step needs at least one scheduled request")
+        total = sum(len(sequence.token_ids) for sequence in sequences)
+        for sequence in sequences:
+            end = sequence.start_position + len(sequence.token_ids)
+            if end > len(sequence.block_table) * self.config.page_size:
+                raise ValueError(f"request {sequence.request_id!r}: {end} tokens do not fit "
+                                 f"its {len(sequence.block_table)} pages")
+        return self._pack(sequences, self.token_bucket(total),
+                          self.sequence_bucket(len(sequences)))
+
+    def token_bucket(self, num_tokens: int) -> int:
+        """The padded token count T of a step feeding `num_tokens` tokens."""
+        return bucket_for(num_tokens, self.config.token_buckets)
+
+    def sequence_bucket(self, num_seqs: int) -> int:
+        """The padded sequence count S of a step over `num_seqs` sequences."""
+        return bucket_for(num_seqs, self.config.sequence_buckets)
+
+    def step_kind(self, sequences: Sequence[ScheduledRequest]) -> str:
+        """Which program the step needs: `PROMPT_STEP` when a request wants the prompt
+        logprobs this chunk predicts, else `STEP`.
+
+        Raises:
+            ValueError: Prompt logprobs are asked for while `enable_prompt_logprobs` is off.
+        """
+        wants_prompt = sorted(sequence.request_id for sequence in sequences
+                              if _wants_prompt_logprobs(sequence))
+        if wants_prompt and not self.config.enable_prompt_logprobs:
+            raise ValueError(f"requests {wants_prompt} ask for prompt_logprobs, which this "
+                             "runner was built without (enable_prompt_logprobs=False)")
+        return PROMPT_STEP if wants_prompt else STEP
+
     def _pack(self, sequences: Sequence[ScheduledRequest], num_tokens: int,
-              num_seqs: int) -> tuple:
+              num_seqs: int) -> StepInputs:
+        """`prepare` for given bucket sizes (warm-up packs no sequences into each)."""
         config = self.config
         token_ids = np.zeros(num_tokens, np.int32)  # [T]
         positions = np.zeros(num_tokens, np.int32)  # [T]
         slots = np.full(num_tokens, -1, np.int32)  # [T]; -1: padding writes nothing
         next_token_ids = np.zeros(num_tokens, np.int32)  # [T]; for prompt logprobs
         kv_lens = np.zeros(num_seqs, np.int32)  # [S]
-        page_indices = np.zeros((num_seqs, config.pages_per_sequence), np.int32)  # [S, P/S]
+        page_indices = np.zeros((num_seqs, config.pages_per_sequence), np.int32)  # [S, P]
         cu_q_lens = np.zeros(num_seqs + 1, np.int32)  # [S + 1]
         last = np.zeros(num_seqs, np.int32)  # [S]
         seeds = np.zeros(num_seqs, np.uint32)  # [S]
         output_index = np.zeros(num_seqs, np.int32)  # [S]
         want_logprobs = np.zeros(num_seqs, np.bool_)  # [S]
         num_drafts = config.num_speculative_tokens
-        draft_token_ids = np.zeros((num_seqs, num_drafts), np.int32)  # [S, K]
+        draft_token_ids = np.zeros((num_seqs, num_drafts), np.int32)  # [S, R]
         num_draft_tokens = np.zeros(num_seqs, np.int32)  # [S]
         draft_probs = (np.zeros((num_seqs, num_drafts, self.model_config.vocab_size),
-                                np.float32) if config.draft_distributions else None)  # [S, K, V]
+                                np.float32) if config.draft_distributions else None)  # [S, R, V]
         offset = 0
         for s, sequence in enumerate(sequences):
             count = len(sequence.token_ids)
@@ -413,97 +479,107 @@ class ModelRunner:
             prompt_token_ids=[sequence.prompt_token_ids for sequence in sequences],
             output_token_ids=[sequence.output_token_ids for sequence in sequences],
             eos_token_ids=self.model_config.eos_token_ids, batch_size=num_seqs)
-        return (token_ids, positions, batch, last, sampling, seeds, output_index,
-                want_logprobs, next_token_ids, draft_token_ids, num_draft_tokens, draft_probs)
+        return StepInputs(token_ids, positions, batch, last, sampling, seeds, output_index,
+                          want_logprobs, next_token_ids, draft_token_ids, num_draft_tokens,
+                          draft_probs)
 
     def execute(self, sequences: Sequence[ScheduledRequest]) -> RunnerOutput:
-        """Runs one step over the scheduled requests.
-
-        Each request's `sampling_params` is None (greedy) or a
-        `jaxinfer.engine.sampling_params.SamplingParams`; a request without a seed samples
-        from a stream derived from its id.
+        """Runs one step over the scheduled requests (see `prepare`).
 
         Returns:
-            The sampled token of every request with `needs_sample` and, for requests with
+            The sampled token of every request with `needs_sample` (the accepted drafts and
+            one more token for a request with drafts) and, for requests with
             `prompt_logprobs`, the logprobs of the prompt tokens this step's chunk predicts.
 
         Raises:
-            ValueError: The step has more tokens or sequences than the largest bucket, a
-                sequence runs past its page table, or prompt logprobs are asked for while
-                `enable_prompt_logprobs` is off.
+            ValueError: As `prepare` and `step_kind`.
         """
         if not sequences:
             return RunnerOutput({}, {})
-        total = sum(len(sequence.token_ids) for sequence in sequences)
-        num_tokens = _bucket(total, self.config.token_buckets)
-        num_seqs = _bucket(len(sequences), self.config.sequence_buckets)
-        for sequence in sequences:
-            end = sequence.start_position + len(sequence.token_ids)
-            if end > len(sequence.block_table) * self.config.page_size:
-                raise ValueError(f"request {sequence.request_id!r}: {end} tokens do not fit "
-                                 f"its {len(sequence.block_table)} pages")
-        wants_prompt = {sequence.request_id for sequence in sequences
-                        if _wants_prompt_logprobs(sequence)}
-        if wants_prompt and not self.config.enable_prompt_logprobs:
-            raise ValueError(f"requests {sorted(wants_prompt)} ask for prompt_logprobs, which "
-                             "this runner was built without (enable_prompt_logprobs=False)")
-        kind = "prompt_step" if wants_prompt else "step"
-        result = jax.device_get(self._run(kind, self._pack(sequences, num_tokens, num_seqs)))
+        kind = self.step_kind(sequences)
+        result: StepOutputs = jax.device_get(self._launch(kind, self.prepare(sequences)))
         sampled, prompt, speculated = {}, {}, {}
         offset = 0
         for s, sequence in enumerate(sequences):
             if sequence.spec_token_ids:
-                emitted = int(result["num_accepted"][s]) + 1
-                speculated[sequence.request_id] = result["spec_tokens"][s, :emitted].tolist()
+                emitted = int(result.num_accepted[s]) + 1
+                speculated[sequence.request_id] = result.spec_tokens[s, :emitted].tolist()
             elif sequence.needs_sample:
                 sampled[sequence.request_id] = SampledToken(
-                    int(result["tokens"][s]), float(result["logprobs"][s]),
-                    result["top_ids"][s], result["top_logprobs"][s],
-                    result["probabilities"][s] if "probabilities" in result else None)
-            if sequence.request_id in wants_prompt:
+                    int(result.tokens[s]), float(result.logprobs[s]), result.top_ids[s],
+                    result.top_logprobs[s],
+                    None if result.probabilities is None else result.probabilities[s])
+            if kind == PROMPT_STEP and _wants_prompt_logprobs(sequence):
                 start = sequence.start_position
                 # Fed position i predicts prompt token i + 1, which must exist.
                 count = min(len(sequence.token_ids),
                             len(sequence.prompt_token_ids) - 1 - start)
                 rows = slice(offset, offset + count)
                 prompt[sequence.request_id] = PromptLogprobs(
-                    start + 1, result["prompt_logprobs"][rows],
-                    result["prompt_top_ids"][rows], result["prompt_top_logprobs"][rows])
+                    start + 1, result.prompt_logprobs[rows], result.prompt_top_ids[rows],
+                    result.prompt_top_logprobs[rows])
             offset += len(sequence.token_ids)
         return RunnerOutput(sampled, prompt, speculated)
 
-    def _run(self, kind: str, packed: tuple) -> dict[str, jax.Array]:
-        """Runs the jitted step `kind` ("step" or "prompt_step") on packed host inputs;
-        updates the pool and returns the (device) results.
+    def lead(self, channel: StepChannel, tag: int) -> None:
+        """Makes this runner a multi-host leader's: from now on each step's kind and inputs
+        go down `channel`, tagged with `tag` (the replica index), before the step runs, so
+        the followers run the same steps in the same order (see
+        `jaxinfer.engine.multihost_steps`).
 
-        On a mesh the inputs become replicated global arrays (each process gives the whole
-        value, as `make_array_from_process_local_data` expects of a replicated array), and the
-        step runs under the mesh and layout, which are part of what it was compiled for.
-        With a channel (the leader of a multi-host run) the inputs first go to every other
-        process, which runs the same step through `run_packed`.
+        Raises:
+            ValueError: `channel` is a follower's end, or the runner already leads.
         """
-        if self.channel is not None:
-            self.channel.send(kind, (self.channel_tag, packed))
-        return self.run_packed(kind, packed)
+        if not channel.is_leader:
+            raise ValueError("a runner leads with the leader's end of the step channel")
+        if self._channel is not None:
+            raise ValueError("this runner already sends its steps down a channel")
+        self._channel, self._channel_tag = channel, tag
 
-    def run_packed(self, kind: str, packed: tuple) -> dict[str, jax.Array]:
-        """Runs the jitted step `kind` on inputs packed by some process's `_pack`.
+    def _launch(self, kind: str, inputs: StepInputs) -> StepOutputs:
+        """Sends the step to the followers (a multi-host leader), then runs it here."""
+        if self._channel is not None:
+            self._channel.send(kind, (self._channel_tag, inputs))
+        return self.run(kind, inputs)
 
-        A follower of a multi-host run calls this with what the leader sent.
+    def run(self, kind: str, inputs: StepInputs) -> StepOutputs:
+        """Runs the jitted step `kind` (`STEP` or `PROMPT_STEP`) on host inputs from some
+        process's `prepare`; updates the page pool and returns the (device) results.
+
+        This process only: a multi-host follower calls it with what the leader sent. On a
+        mesh the inputs become replicated global arrays (each process gives the whole value,
+        as `make_array_from_process_local_data` expects of a replicated array), and the step
+        runs under the mesh and layout, which are part of what it was compiled for.
 
         Raises:
             ValueError: An unknown step kind.
         """
         if kind not in self._steps:
-            raise ValueError(f"unknown step kind {kind!r}; known: {sorted(self._steps)}")
+            raise ValueError(f"unknown step kind {kind!r}; known: {list(STEP_KINDS)}")
         step = self._steps[kind]
         if self._replicated is not None:
-            packed = jax.tree.map(
-                lambda x: jax.make_array_from_process_local_data(self._replicated, x), packed)
+            inputs = jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(self._replicated, x), inputs)
         with activate(self.mesh, self.layout):
-            self.pages, self.scales, result = step(self.state, self.pages, self.scales,
-                                                   *packed)
+            self.pages, self.scales, result = step(self.state, self.pages, self.scales, inputs)
         return result
+
+    def run_on_cache(self, program: Callable[..., tuple[Any, Any, Any]], *args: Any) -> Any:
+        """Runs another program over this runner's model and page pool; returns its result.
+
+        For a proposer whose loop over the cache is not a step (the draft model's decode
+        loop): `program(state, pages, scales, *args)` must return `(pages, scales,
+        result)`, the pool updated (donate it); `merge` rebuilds the model from `state`
+        inside it. The program runs under the runner's mesh and layout.
+        """
+        with activate(self.mesh, self.layout):
+            self.pages, self.scales, result = program(self.state, self.pages, self.scales,
+                                                      *args)
+        return result
+
+    def merge(self, state: nnx.State) -> Transformer:
+        """The model with `state` (inside a program given to `run_on_cache`)."""
+        return nnx.merge(self.graphdef, state)
 
     def warm_up(self) -> float:
         """Compiles the step for every (token bucket, sequence bucket) pair; returns seconds.
@@ -511,14 +587,14 @@ class ModelRunner:
         Padding-only steps write nothing (every slot is -1) and read only the null page.
         """
         started = time.perf_counter()
-        kinds = ["step"] + (["prompt_step"] if self.config.enable_prompt_logprobs else [])
+        kinds = [STEP] + ([PROMPT_STEP] if self.config.enable_prompt_logprobs else [])
         result = None
         for num_tokens in self.config.token_buckets:
             for num_seqs in self.config.sequence_buckets:
                 if num_seqs > num_tokens:
                     continue  # a step never has more sequences than tokens
                 for kind in kinds:
-                    result = self._run(kind, self._pack([], num_tokens, num_seqs))
+                    result = self._launch(kind, self._pack([], num_tokens, num_seqs))
         jax.block_until_ready(result)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
@@ -537,7 +613,7 @@ def _wants_prompt_logprobs(sequence: ScheduledRequest) -> bool:
 
 
 def _without_top(sampled: tuple[jax.Array, ...], num_logprobs: int) -> tuple[jax.Array, ...]:
-    """`sample_tokens(..., 0)`'s result with zero-filled `[S, K]` top-logprob arrays, so both
+    """`sample_tokens(..., 0)`'s result with zero-filled `[S, M]` top-logprob arrays, so both
     branches of the step's `lax.cond` have the same shapes."""
     tokens, chosen, _, _ = sampled
     rows = tokens.shape[0]

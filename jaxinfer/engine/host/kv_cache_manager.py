@@ -30,9 +30,25 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Protocol
 
 from jaxinfer.engine.host.block_pool import BlockPool
 from jaxinfer.engine.host.request import Request
+
+
+class TokenSequence(Protocol):
+    """What block allocation reads of a sequence: a `Request`, or a proposer's own record of
+    one (the draft model keeps its own pages for the same request id); prefix caching needs
+    a whole `Request`."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
 
 BlockHash = bytes
 
@@ -152,7 +168,7 @@ class KVCacheManager:
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    def allocate_slots(self, request: TokenSequence, num_new_tokens: int,
                        new_computed_blocks: Sequence[int] = (),
                        num_lookahead_tokens: int = 0) -> list[int] | None:
         """Makes room for `num_new_tokens` more tokens of the request, all or nothing.
@@ -236,7 +252,7 @@ class KVCacheManager:
             self.block_pool.cache_block(table[index], hashes[index])
         self._num_handled_blocks[request.request_id] = num_full
 
-    def free_excess_blocks(self, request: Request) -> int:
+    def free_excess_blocks(self, request: TokenSequence) -> int:
         """Rolls a request's table back to its computed tokens, by length, without copies.
 
         After a speculative step, the tokens of rejected drafts stay in the pages as garbage
@@ -258,7 +274,7 @@ class KVCacheManager:
         self.block_pool.free(reversed(excess))
         return len(excess)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: TokenSequence) -> None:
         """Releases the request's blocks, last first, and forgets its hashes.
 
         Cached blocks stay in the prefix cache (evictable) once no table holds them. Freeing a

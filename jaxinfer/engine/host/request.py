@@ -71,14 +71,11 @@ class Request:
         num_cached_tokens: Prompt tokens found in the prefix cache at first admission, or -1
             before it.
         speculate: Whether the engine may propose draft tokens for this request.
-        spec_token_ids: Draft tokens proposed for the next step (the scheduler feeds them
-            after the request's known tokens, and the step verifies them); empty when not
-            speculating.
+        spec_token_ids: Draft tokens for the coming step, recorded by `Scheduler.schedule`
+            from the drafts it is given (it feeds them after the request's known tokens, and
+            the step verifies them); empty when the request has none.
         spec_draft_probs: `[len(spec_token_ids), V]` the drafter's distributions for those
             drafts, or None for point-mass (n-gram) drafts.
-        num_spec_steps: Steps in which the request had drafts verified.
-        num_draft_tokens: Draft tokens verified over those steps.
-        num_accepted_tokens: Of those, the accepted ones.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -114,9 +111,6 @@ class Request:
         self.speculate = speculate
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Any = None
-        self.num_spec_steps = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
         # Prompt and outputs in one list, kept in step with output_token_ids, so that slicing
         # the tokens to feed costs no concatenation per step.
         self._all_token_ids = list(self.prompt_token_ids)

@@ -12,8 +12,10 @@ are released, its `num_computed_tokens` reset to 0, and it goes to the front of 
 queue, keeping its sampled tokens, which are recomputed with its prompt when it is readmitted.
 This repeats until the request fits or is itself the one preempted.
 
-Speculative decoding: a running request whose known tokens all fit in the step also gets the
-draft tokens the engine proposed (`Request.spec_token_ids`), as far as the budget, its
+Speculative decoding: `schedule(drafts)` takes the step's drafts (a `Draft` per request id,
+from the engine's proposer) and records them on its running requests
+(`Request.spec_token_ids`); a running request whose known tokens all fit in the step also gets
+its drafts, as far as the budget, its
 `max_tokens` and `max_model_len` allow, so the target scores the last known token plus k drafts
 in the same ragged step (k + 1 tokens of the budget). `update_from_output` then takes the
 accepted drafts plus one token, and rolls the request back by length: `num_computed_tokens`
@@ -34,10 +36,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxinfer.engine.config import CacheConfig, SchedulerConfig, SchedulerConfigError
+from jaxinfer.engine.host.draft import Draft
 from jaxinfer.engine.host.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.host.request import Request, RequestStatus
 
@@ -246,8 +249,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Draft] | None = None) -> SchedulerOutput:
         """Picks this step's tokens: running requests first, then waiting ones (FIFO).
+
+        Args:
+            drafts: Draft tokens per running request id, proposed for this step; a running
+                request without an entry has none (earlier drafts are never reused).
 
         Returns:
             The batch. The requests' `num_computed_tokens` already count its tokens.
@@ -255,10 +262,12 @@ class Scheduler:
         Raises:
             RuntimeError: The previous non-empty output was not reported with
                 `update_from_output`.
+            ValueError: A draft for a request that is not running; nothing is changed then.
         """
         if self._pending_output is not None:
             raise RuntimeError("schedule() called before update_from_output() reported the "
                                "previous step")
+        self._record_drafts(drafts or {})
         manager = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int, list[int]]] = []
@@ -395,6 +404,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
+    def _record_drafts(self, drafts: Mapping[str, Draft]) -> None:
+        """Gives each running request its draft for this step, or none."""
+        running = {request.request_id: request for request in self.running}
+        strays = sorted(set(drafts) - set(running))
+        if strays:
+            raise ValueError(f"drafts for requests that are not running: {strays}")
+        for request_id, request in running.items():
+            draft = drafts.get(request_id)
+            request.spec_token_ids = list(draft.token_ids) if draft is not None else []
+            request.spec_draft_probs = draft.probs if draft is not None else None
+
     def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
         """The request's drafts that fit the step's remaining budget and its length limits.
 
@@ -409,9 +429,6 @@ class Scheduler:
         """Uncounts the rejected drafts and frees the pages that held only them."""
         request.num_computed_tokens -= num_drafts - num_accepted
         self.kv_cache_manager.free_excess_blocks(request)
-        request.num_spec_steps += 1
-        request.num_draft_tokens += num_drafts
-        request.num_accepted_tokens += num_accepted
 
     def _describe(self, request: Request, num_new_tokens: int,
                   drafts: list[int]) -> ScheduledRequest:

@@ -1,9 +1,13 @@
 """The draft-model proposer: a small model with its own paged KV cache drafts k tokens a step.
 
-The drafter is a second `ModelRunner` (its own page pool on device, its own compiled bucketed
-steps, returning each drawn token's distribution q) with its own host-side `KVCacheManager`
-(prefix caching off: drafter pages are cheap and private). For each speculating request it
-keeps a `DraftSequence`: the tokens it has fed and how many of them sit in its cache.
+A `jaxinfer.engine.spec.proposer.Proposer`. The drafter is a second `ModelRunner` (its own
+page pool on device, its own compiled bucketed steps, returning each drawn token's
+distribution q), driven through its public interface only (`execute` with `ScheduledRequest`s
+it builds, `sequence_bucket`, `run_on_cache` for the decode loop), with its own host-side
+`KVCacheManager` (prefix caching off: drafter pages are cheap and private). For each
+speculating request it keeps a `DraftSequence`: the tokens it has fed and how many of them sit
+in its cache. It reads the engine's requests and never writes to them: drafts go back as
+`Draft`s.
 
 Each engine step, for the decoding requests, the drafter
 
@@ -35,13 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig, SampledToken, _bucket
+from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig, SampledToken
 from jaxinfer.engine.device.sampler import (
     SamplingArrays,
     build_sampling_arrays,
     greedy_rows,
     sample_tokens,
 )
+from jaxinfer.engine.host.draft import Draft
 from jaxinfer.engine.host.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.host.request import Request
 from jaxinfer.engine.host.scheduler import ScheduledRequest
@@ -55,7 +60,7 @@ _DRAFT_SEED_SALT = 0x5EED_D4AF
 
 @dataclasses.dataclass
 class DraftSequence:
-    """The drafter's view of one request (duck-types the fields `KVCacheManager` reads).
+    """The drafter's view of one request (a `KVCacheManager` `TokenSequence` of its own).
 
     Attributes:
         request: The target's request this shadows (an id reused by a new request gets a
@@ -99,7 +104,7 @@ class DraftModelProposer:
     Args:
         model: The drafter; it must share the target's vocabulary.
         target_config: The target runner's config (pages, buckets, lengths are reused).
-        num_tokens: k.
+        num_tokens: k (R in shape comments).
 
     Attributes:
         num_steps: Drafter device steps run so far (the draft cost, in steps).
@@ -143,29 +148,30 @@ class DraftModelProposer:
         for request_id in request_ids:
             sequence = self._sequences.pop(request_id, None)
             if sequence is not None:
-                self.kv_cache_manager.free(sequence)  # type: ignore[arg-type]
+                self.kv_cache_manager.free(sequence)
 
-    def propose(self, requests: Sequence[Request], max_model_len: int) -> None:
-        """Sets `spec_token_ids` and `spec_draft_probs` of each (decoding) request.
+    def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+        """Drafts, with their `[R, V]` distributions, for the (decoding) requests.
 
         A request gets fewer than k drafts near its `max_tokens` or `max_model_len`, and none
         when the drafter's pool has no room for it this step.
         """
         started = time.perf_counter()
-        self._propose(requests, max_model_len)
+        drafts = self._propose(requests)
         self.seconds += time.perf_counter() - started
+        return drafts
 
-    def _propose(self, requests: Sequence[Request], max_model_len: int) -> None:
+    def _propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
         wanted: dict[str, int] = {}
         work: list[tuple[DraftSequence, list[int]]] = []
         for request in requests:
             count = min(self.num_tokens, request.max_tokens - request.num_output_tokens - 1,
-                        max_model_len - request.num_tokens - 1)
+                        self.config.max_model_len - request.num_tokens - 1)
             if count < 1:
                 continue
             sequence = self._sequence(request)
             sequence.sync()
-            self.kv_cache_manager.free_excess_blocks(sequence)  # type: ignore[arg-type]
+            self.kv_cache_manager.free_excess_blocks(sequence)
             wanted[request.request_id] = count
             work.append((sequence, sequence.token_ids[sequence.num_computed_tokens:]))
         by_id = {sequence.request_id: sequence for sequence, _ in work}
@@ -176,16 +182,19 @@ class DraftModelProposer:
             count = wanted[request_id] - 1
             # Pages for x_1 .. x_{count}, fed by the decode loop; none left: x_1 only.
             if count and self.kv_cache_manager.allocate_slots(
-                    sequence, count, num_lookahead_tokens=count) is not None:  # type: ignore[arg-type]
+                    sequence, count, num_lookahead_tokens=count) is not None:
                 longer.append((sequence, token.token_id, count))
         later = self._decode_all(longer)
+        drafts = {}
         for request in requests:
             token = first.get(request.request_id)
             if token is None:
                 continue
             more_tokens, more_probs = later.get(request.request_id, ([], []))
-            request.spec_token_ids = [token.token_id, *more_tokens]
-            request.spec_draft_probs = np.stack([token.probabilities, *more_probs])  # [k, V]
+            drafts[request.request_id] = Draft(
+                [token.token_id, *more_tokens],
+                np.stack([token.probabilities, *more_probs]))  # [R, V]
+        return drafts
 
     def _sequence(self, request: Request) -> DraftSequence:
         sequence = self._sequences.get(request.request_id)
@@ -210,7 +219,7 @@ class DraftModelProposer:
                     continue
                 chunk = tokens[:budget]
                 allocated = self.kv_cache_manager.allocate_slots(
-                    sequence, len(chunk))  # type: ignore[arg-type]
+                    sequence, len(chunk))
                 if allocated is None:
                     continue  # no drafter pages: this request drafts nothing more this step
                 batch.append(self._describe(sequence, chunk, len(chunk) == len(tokens)))
@@ -237,7 +246,7 @@ class DraftModelProposer:
         """
         if not work:
             return {}
-        num_seqs = _bucket(len(work), self.config.sequence_buckets)
+        num_seqs = self.runner.sequence_bucket(len(work))
         tokens, probs = self._run_decode(work, num_seqs)
         result = {}
         for row, (sequence, first, count) in enumerate(work):
@@ -272,11 +281,10 @@ class DraftModelProposer:
             params, self.runner.model_config.vocab_size,
             prompt_token_ids=[sequence.request.prompt_token_ids for sequence, _, _ in work],
             output_token_ids=[()] * len(work), batch_size=num_seqs)
-        self.runner.pages, self.runner.scales, tokens, probs = self._decode(
-            self.runner.state, self.runner.pages, self.runner.scales, first_tokens, positions,
-            counts,
-            page_indices, np.asarray([len(work)], np.int32), sampling, seeds, draw_index)
-        return jax.device_get((tokens, probs))
+        drawn = self.runner.run_on_cache(
+            self._decode, first_tokens, positions, counts, page_indices,
+            np.asarray([len(work)], np.int32), sampling, seeds, draw_index)
+        return jax.device_get(drawn)
 
     def _decode_loop(self, state: nnx.State, pages: tuple[jax.Array, ...],
                      scales: tuple[jax.Array, ...] | None, first_tokens: jax.Array,
@@ -284,17 +292,17 @@ class DraftModelProposer:
                      page_indices: jax.Array, num_seqs: jax.Array, sampling: SamplingArrays,
                      seeds: jax.Array, draw_index: jax.Array
                      ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None,
-                                jax.Array, jax.Array]:
+                                tuple[jax.Array, jax.Array]]:
         """k - 1 one-token drafter steps on device: feed x_j at its position, draw x_{j+1}.
 
         Rows past `counts` (or past `num_seqs`) keep computing but write no page slot, so
         every row has the same shapes and the loop compiles once per sequence bucket.
 
         Returns:
-            The updated pages and (int8 cache) scales, `[S, k - 1]` drawn tokens and
-            `[S, k - 1, V]` their distributions (zeros when every row is greedy).
+            The updated pages and (int8 cache) scales, and (`[S, R - 1]` drawn tokens,
+            `[S, R - 1, V]` their distributions (zeros when every row is greedy)).
         """
-        model = nnx.merge(self.runner.graphdef, state)
+        model = self.runner.merge(state)
         rows = first_tokens.shape[0]
         page_size = self.config.page_size
         real = jnp.arange(rows) < num_seqs[0]  # [S]
@@ -325,7 +333,8 @@ class DraftModelProposer:
                 jnp.all(greedy_rows(sampling)),
                 functools.partial(jnp.zeros, logits.shape, jnp.float32),
                 functools.partial(sampling_probabilities, logits, sampling)))  # [S, V]
-        return pages, scales, jnp.stack(drawn, axis=1), jnp.stack(distributions, axis=1)
+        return pages, scales, (jnp.stack(drawn, axis=1),  # [S, R - 1]
+                               jnp.stack(distributions, axis=1))  # [S, R - 1, V]
 
     def _describe(self, sequence: DraftSequence, chunk: list[int],
                   needs_sample: bool) -> ScheduledRequest:

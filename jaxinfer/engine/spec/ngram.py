@@ -1,4 +1,4 @@
-"""The prompt-lookup (n-gram) drafter; host side, no jax.
+"""The prompt-lookup (n-gram) proposer; host side, no jax.
 
     engine = load_engine(model, speculative={"method": "ngram", "num_tokens": 4,
                                              "max_ngram": 3})
@@ -13,9 +13,13 @@ copies, code edits). The drafts are verified as a point-mass drafter, so samplin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from jaxinfer.engine.config import SpeculativeConfig
+from jaxinfer.engine.host.draft import Draft
+from jaxinfer.engine.host.request import Request
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, max_ngram: int,
@@ -46,3 +50,39 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, max_ngram: int,
             start = int(matches[-1]) + size
             return tokens[start:start + num_tokens].tolist()
     return []
+
+
+class NgramProposer:
+    """Prompt lookup as a `jaxinfer.engine.spec.proposer.Proposer`: point-mass drafts, no
+    model, nothing held per request.
+
+    Args:
+        config: num_tokens (R), max_ngram and min_ngram are used.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+        """The tokens that followed the latest earlier match of each request's suffix (no
+        entry for a request without a match)."""
+        config = self.config
+        drafts = {}
+        for request in requests:
+            tokens = propose_ngram(request.all_token_ids, config.num_tokens, config.max_ngram,
+                                   config.min_ngram)
+            if tokens:
+                drafts[request.request_id] = Draft(tokens)
+        return drafts
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Nothing to free: prompt lookup keeps no state per request."""
+
+    def warm_up(self) -> float:
+        """Nothing to compile."""
+        return 0.0
+
+    @property
+    def compilations(self) -> int:
+        """No device programs."""
+        return 0

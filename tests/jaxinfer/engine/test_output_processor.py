@@ -8,8 +8,9 @@ import itertools
 import pytest
 
 from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.engine.host.draft import SpecStats
 from jaxinfer.engine.output_processor import SampleState
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, SpeculativeStats
+from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
 from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.model_loading import load_model, resolve_model_path
 from jaxinfer.tokenizer import load_tokenizer
@@ -124,7 +125,7 @@ def test_text_deltas_concatenate_and_never_reach_into_a_stop_string(tokenizer):
 
 
 def test_request_output_add_accumulates_deltas():
-    spec = SpeculativeStats(num_spec_steps=1, num_draft_tokens=3, num_accepted_tokens=2)
+    spec = SpecStats(num_spec_steps=1, num_draft_tokens=3, num_accepted_tokens=2)
     output = RequestOutput("r", "p", [1, 2], [])
     # Sample 1 reports before sample 0: the samples still end up in index order.
     output.add(RequestOutput("r", "p", [1, 2], [CompletionOutput(1, "b", [7])],

@@ -17,12 +17,13 @@ import pytest
 import jaxinfer.engine
 from jaxinfer.engine.config import CacheConfig, SchedulerConfig, SchedulerConfigError
 from jaxinfer.engine.host.block_pool import NULL_BLOCK_ID
+from jaxinfer.engine.host.draft import Draft
 from jaxinfer.engine.host.request import Request, RequestStatus
 from jaxinfer.engine.host.scheduler import Scheduler
 
 VOCAB = 97
 ENGINE_DIR = pathlib.Path(jaxinfer.engine.__file__).parent
-HOST_MODULES = ("__init__", "config", "host/__init__", "host/block_pool",
+HOST_MODULES = ("__init__", "config", "host/__init__", "host/block_pool", "host/draft",
                 "host/kv_cache_manager", "host/request", "host/scheduler")
 
 
@@ -569,6 +570,7 @@ def test_speculative_drafts_roll_back_and_lose_nothing(seed, enable_prefix_cachi
             victim = rng.choice(scheduler.running).request_id
             assert scheduler.abort_request(victim)
             aborted.add(victim)
+        proposed = {}
         for request in scheduler.running:
             # The true continuation, with each draft corrupted 30% of the time.
             context, drafts = list(request.all_token_ids), []
@@ -576,8 +578,8 @@ def test_speculative_drafts_roll_back_and_lose_nothing(seed, enable_prefix_cachi
                 token = next_token(context)
                 context.append(token)
                 drafts.append(token if rng.random() < 0.7 else (token + 1) % VOCAB)
-            request.spec_token_ids = drafts
-        scheduler_output = scheduler.schedule()
+            proposed[request.request_id] = Draft(drafts)
+        scheduler_output = scheduler.schedule(proposed)
         check_invariants(scheduler, scheduler_output)
         for scheduled in scheduler_output.scheduled_requests:
             assert scheduled.token_ids[len(scheduled.token_ids) - len(scheduled.spec_token_ids):] \
@@ -602,9 +604,9 @@ def test_speculative_drafts_roll_back_and_lose_nothing(seed, enable_prefix_cachi
     assert _pool_is_full(scheduler)
 
 
-def _step(scheduler, token=5):
+def _step(scheduler, token=5, drafts=None):
     """One step in which every request that needs a sample gets `token` (drafts rejected)."""
-    output = scheduler.schedule()
+    output = scheduler.schedule(drafts)
     scheduler.update_from_output(output, {scheduled.request_id: [token] for scheduled in
                                           output.scheduled_requests if scheduled.needs_sample})
     return output
@@ -616,8 +618,7 @@ def test_drafts_are_trimmed_by_budget_max_tokens_and_length():
     short = Request("short", [1, 2, 3], max_tokens=3)
     scheduler.add_request(short)
     _step(scheduler)
-    short.spec_token_ids = [6, 7, 8, 9]
-    output = scheduler.schedule()
+    output = scheduler.schedule({"short": Draft([6, 7, 8, 9])})
     (scheduled,) = output.scheduled_requests
     # max_tokens 3 with one output: at most 2 more tokens, so 1 draft (+ 1 token).
     assert scheduled.spec_token_ids == [6] and scheduled.token_ids == [5, 6]
@@ -632,9 +633,9 @@ def test_drafts_are_trimmed_by_budget_max_tokens_and_length():
     scheduler.add_request(other)
     while near_end.num_output_tokens == 0 or other.num_output_tokens == 0:
         _step(scheduler)
-    near_end.spec_token_ids = other.spec_token_ids = [6, 7, 8]
+    drafts = {"long": Draft([6, 7, 8]), "other": Draft([6, 7, 8])}
     by_id = {scheduled.request_id: scheduled
-             for scheduled in _step(scheduler).scheduled_requests}
+             for scheduled in _step(scheduler, drafts=drafts).scheduled_requests}
     # 11 tokens known, max_model_len 12: no room for a draft (it would emit 2 tokens).
     assert by_id["long"].spec_token_ids == []
     # The budget of 4 has 3 left after "long"'s one token: "other" gets 1 + 2 drafts.
@@ -642,6 +643,16 @@ def test_drafts_are_trimmed_by_budget_max_tokens_and_length():
     # All rejected: back to one computed token short of the known ones, pages trimmed.
     assert other.num_computed_tokens == other.num_tokens - 1
     assert len(scheduler.kv_cache_manager.get_block_table("other")) == 1
+    # Drafts are for one step: the next one, given none, feeds none.
+    assert all(not scheduled.spec_token_ids for scheduled in _step(scheduler).scheduled_requests)
+
+
+def test_drafts_only_for_running_requests():
+    scheduler = make_scheduler()
+    scheduler.add_request(Request("waiting", [1, 2], max_tokens=3))
+    with pytest.raises(ValueError, match="not running"):
+        scheduler.schedule({"waiting": Draft([3])})
+    assert not scheduler.running and len(scheduler.waiting) == 1  # nothing changed
 
 
 # ---------------------------------------------------------------------- no jax

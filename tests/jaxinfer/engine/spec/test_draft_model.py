@@ -84,7 +84,7 @@ def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, d
         assert got == want, index
     assert engine.num_preemptions > 0
     assert engine.num_free_pages == engine.config.num_pages - 1
-    assert engine.drafter.num_free_pages == engine.config.num_pages - 1
+    assert engine.proposer.num_free_pages == engine.config.num_pages - 1
     stats_ = engine.stats()
     assert 0 < stats_.num_accepted_tokens < stats_.num_draft_tokens
 
@@ -106,7 +106,7 @@ def test_draft_model_compiles_nothing_after_warm_up(model, drafter):
             if output.finished:
                 assert output.speculative.num_draft_tokens > 0
     assert engine.compilations == compiled  # neither the target nor the drafter recompiled
-    assert engine.drafter.num_free_pages == engine.config.num_pages - 1
+    assert engine.proposer.num_free_pages == engine.config.num_pages - 1
 
 
 def test_greedy_drafts_are_the_drafters_own_greedy_continuation(drafter):
@@ -123,13 +123,16 @@ def test_greedy_drafts_are_the_drafters_own_greedy_continuation(drafter):
                         SamplingParams(temperature=0.0), max_tokens=30)
                 for index, length in enumerate((1, 7, 21))]
     for round_ in range(3):
-        proposer.propose(requests, max_model_len=64)
+        drafts = proposer.propose(requests)
         expected = generate(drafter, [request.all_token_ids for request in requests],
                             max_new_tokens=3, eos_token_ids=())
-        assert [request.spec_token_ids for request in requests] == expected, round_
+        assert [drafts[request.request_id].token_ids for request in requests] == expected, round_
+        vocab = drafter.config.vocab_size
+        assert all(drafts[request.request_id].probs.shape == (3, vocab) for request in requests)
         for request in requests:  # the target accepts the first draft, then corrects
-            request.append_output_token(request.spec_token_ids[0])
-            request.append_output_token((request.spec_token_ids[1] + 1) % 512)
+            tokens = drafts[request.request_id].token_ids
+            request.append_output_token(tokens[0])
+            request.append_output_token((tokens[1] + 1) % 512)
     proposer.release([request.request_id for request in requests])
     assert proposer.num_free_pages == 39
 
@@ -188,7 +191,7 @@ def test_demo_models_sample_the_targets_distribution():
         "method": "draft_model", "model": "builtin:demo-draft", "num_tokens": 3}))
     speculative = _first_tokens(engine, prompt, 3000, params)
     assert engine.stats().num_accepted_tokens > 1000
-    assert engine.drafter.num_free_pages == engine.config.num_pages - 1
+    assert engine.proposer.num_free_pages == engine.config.num_pages - 1
     for position in (0, 1, 2):
         assert _homogeneity_p_value(plain[:, position], speculative[:, position]) > 1e-3
     # The same test notices a distribution that is only slightly off: the teacher at a
@@ -223,4 +226,4 @@ def test_draft_model_with_an_int8_kv_cache_equals_plain_int8_decoding(model, dra
     assert _greedy_outputs(engine, prompts) == expected
     assert engine.stats().num_draft_tokens > 0
     assert engine.num_free_pages == engine.config.num_pages - 1
-    assert engine.drafter.num_free_pages == engine.config.num_pages - 1
+    assert engine.proposer.num_free_pages == engine.config.num_pages - 1
