@@ -1,10 +1,10 @@
 """Grouped-query self-attention over a contiguous KV cache (or over the current tokens only).
 
 Masking is by position, never by padding flags: a query at position p sees keys at positions
-q <= p, and with a sliding window W only those with p - q < W (W keys, itself included, as in
-transformers' Mistral). Right-padded batches therefore need no extra mask: padding sits after
-every real token, so no real query ever sees it, and pad slots in the cache are overwritten by
-the next decoded token before anyone can attend to them.
+q <= p, and with a sliding window only those with p - q < sliding_window (that many keys, itself
+included, as in transformers' Mistral). Right-padded batches therefore need no extra mask:
+padding sits after every real token, so no real query ever sees it, and pad slots in the cache
+are overwritten by the next decoded token before anyone can attend to them.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ class PagedBatch(NamedTuple):
     """Where a ragged batch's tokens live in the page pool (all int32; see
     `pallas_kernels.ragged_paged_attention.reference` for the layout)."""
 
-    slot_mapping: jax.Array  # [T] flat page slot each new token's K/V is written to; -1: pad
-    kv_lens: jax.Array  # [S] keys per sequence after this step
-    page_indices: jax.Array  # [S, pages_per_seq] page table per sequence
-    cu_q_lens: jax.Array  # [S + 1] query token offsets of each sequence
+    slot_mapping: jax.Array  # [T] flat page slot each new token's key and value go to; -1: pad
+    kv_lens: jax.Array  # [Q] keys per sequence after this step
+    page_indices: jax.Array  # [Q, pages_per_seq] page table per sequence
+    cu_q_lens: jax.Array  # [Q + 1] query token offsets of each sequence
     num_seqs: jax.Array  # [1] real sequences
 
 
@@ -155,7 +155,7 @@ class Attention(nnx.Module):
         keys = apply_rope(self._project(x, self.k_proj, self.k_bias), positions,
                           inv_freq)  # [B, T, K, H]
         values = self._project(x, self.v_proj, self.v_bias)  # [B, T, K, H]
-        keys, values = cached_key_value(self, keys), cached_key_value(self, values)
+        keys, values = cached_key_value(self, keys), cached_key_value(self, values)  # [B, T, K, H]
         queries = constrain(queries, ("batch", "length", "act_heads", None))
         keys = constrain(keys, ("batch", "length", "act_kv_heads", None))
         values = constrain(values, ("batch", "length", "act_kv_heads", None))
@@ -163,7 +163,7 @@ class Attention(nnx.Module):
         if isinstance(cache, PagedLayerCache):
             return self._paged(queries, keys, values, cache)
         if cache is None:
-            all_keys, all_values, key_positions = keys, values, positions
+            all_keys, all_values, key_positions = keys, values, positions  # S = T: no cache
         else:
             rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
             all_keys = cache.keys.at[rows, positions].set(
@@ -177,8 +177,8 @@ class Attention(nnx.Module):
 
         attended = dot_product_attention(queries, all_keys, all_values, positions,
                                          key_positions, self.sliding_window)  # [B, T, N, H]
-        out = self._output_projection(attended)
-        return out, cache  # [B, T, D]
+        out = self._output_projection(attended)  # [B, T, D]
+        return out, cache
 
     def _output_projection(self, attended: jax.Array) -> jax.Array:
         """`[B, T, N, H]` attention outputs to `[B, T, D]` through o_proj."""
@@ -189,19 +189,21 @@ class Attention(nnx.Module):
 
     def _paged(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
                cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:
-        """Writes this step's K/V into the pages, then ragged paged attention over them.
+        """Writes this step's keys and values into the pages, then ragged paged attention over them.
 
         An int8 pool (with scales) quantizes the new rows as it writes them, and attention
         dequantizes the rows it reads; a float pool is read in the compute dtype.
 
-        Under tensor parallelism (the active layout splits KV heads over a mesh axis) each
-        shard runs this on its own heads: its queries `[T, N/M, H]`, its new keys and values
-        `[T, K/M, H]` and its slice `[P, page_size, 2K/M, H]` of the pool, which holds exactly
-        those KV heads because K and V are interleaved per head. Attention needs nothing from
-        other heads, so the block runs without communication; o_proj then sums over heads.
+        Under tensor parallelism (the active layout splits KV heads over a mesh axis of
+        `shards` devices) each shard runs this on its own heads: its queries
+        `[T, N/shards, H]`, its new keys and values `[T, K/shards, H]` and its slice
+        `[P, page_size, 2K/shards, H]` of the pool, which holds exactly those KV heads because
+        keys and values are interleaved per head. Attention needs nothing from other heads, so
+        the block runs without communication; o_proj then sums over heads.
         """
         batch = cache.batch
         axis = active_axis("act_kv_heads")
+        # attended [T, N, H], pages [P, page_size, 2K, H], scales [P, page_size, 2K] or None
         if axis is None:
             attended, pages, scales = self._paged_local(queries[0], keys[0], values[0],
                                                         cache.pages, cache.scales, batch)
@@ -226,12 +228,12 @@ class Attention(nnx.Module):
         if scales is None:
             pages = write_to_pages(pages, keys, values,
                                    batch.slot_mapping)  # [P, page_size, 2K, H]
-            read = pages.astype(self.dtype)
+            read = pages.astype(self.dtype)  # [P, page_size, 2K, H]
         else:
             pages, scales = write_to_quantized_pages(
                 pages, scales, keys, values,
                 batch.slot_mapping)  # [P, page_size, 2K, H] int8, [P, page_size, 2K]
-            read = pages
+            read = pages  # [P, page_size, 2K, H] int8
         attended = ragged_paged_attention(
             queries, read, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
             batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,

@@ -51,7 +51,7 @@ def _make_variable(variable_type: type[nnx.Param], rngs: nnx.Rngs, shape: Sequen
     if len(shape) != len(logical_axes):
         raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(logical_axes)} differ")
     init = init or jax.nn.initializers.normal(DEFAULT_INIT_STDDEV)
-    value = init(rngs.params(), tuple(shape), dtype)
+    value = init(rngs.params(), tuple(shape), dtype)  # [*shape]
     # eager_sharding=False: placement is decided once for the whole model, with divisibility
     # checks, by the factory or the loader, not by each variable as it is born.
     return variable_type(value, out_sharding=tuple(logical_axes), eager_sharding=False,
@@ -61,7 +61,7 @@ def _make_variable(variable_type: type[nnx.Param], rngs: nnx.Rngs, shape: Sequen
 class LinearParam(nnx.Param):
     """A float linear weight `[*inputs, *outputs]` that multiplies activations by itself.
 
-    `weight(x)` maps `[..., K]` activations (K the product of the input axes) to
+    `weight(x)` maps `[..., I]` activations (I the product of the input axes) to
     `[..., *outputs]`, in the activations' dtype, the same call as the quantized layers of
     `jaxinfer.quant` (`QuantizedLinear`), so the forward calls whatever weight sits at a
     projection and never asks which kind it is. It is still an `nnx.Param` at the same
@@ -75,17 +75,17 @@ class LinearParam(nnx.Param):
     """
 
     def __call__(self, x: jax.Array, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
-        """`[..., K]` activations times the weight: `[..., *outputs]`.
+        """`[..., I]` activations times the weight: `[..., *outputs]`.
 
         Args:
-            x: `[..., K]` activations; the weight is cast to their dtype.
+            x: `[..., I]` activations; the weight is cast to their dtype.
             out_dtype: Accumulate and return in this dtype (e.g. float32 logits); default
                 the activations' dtype.
         """
         weight = self[...].astype(x.dtype)  # [*inputs, *outputs]
         input_axes = self.get_metadata("input_axes", 1)
         if input_axes > 1:
-            weight = weight.reshape(-1, *weight.shape[input_axes:])  # [K, *outputs]
+            weight = weight.reshape(-1, *weight.shape[input_axes:])  # [I, *outputs]
         return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())),
                                    preferred_element_type=out_dtype)  # [..., *outputs]
 
@@ -163,7 +163,8 @@ class Embedding(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: logits in float32 from hidden states `x` [B, T, D]."""
         weight = self.weight[...].astype(self.dtype)  # [V, D]
-        return jnp.einsum("btd,vd->btv", x, weight, preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,vd->btv", x, weight,
+                          preferred_element_type=jnp.float32)  # [B, T, V]
 
 
 class MLP(nnx.Module):

@@ -37,14 +37,14 @@ class MoEBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape
-        tokens = linear_input(self, "mlp_input", x).reshape(batch * length, width)  # [M, D]
-        router_logits = self.router(tokens, out_dtype=jnp.float32)  # [M, E]
-        gate, up, down = (weight[...].astype(self.dtype)
+        tokens = linear_input(self, "mlp_input", x).reshape(batch * length, width)  # [T, D]
+        router_logits = self.router(tokens, out_dtype=jnp.float32)  # [T, E]
+        gate, up, down = (weight[...].astype(self.dtype)  # [E, D, F], [E, D, F], [E, F, D]
                           for weight in (self.gate_proj, self.up_proj, self.down_proj))
         expert_axis, mlp_axis = active_axis("expert"), active_axis("mlp")
         if expert_axis is None and mlp_axis is None:
             out = moe_ffn(tokens, router_logits, gate, up, down, self.top_k,
-                          implementation=self.implementation)  # [M, D]
+                          implementation=self.implementation)  # [T, D]
         else:
             out = self._sharded(tokens, router_logits, gate, up, down, expert_axis, mlp_axis)
         return out.reshape(batch, length, width)  # [B, T, D]
@@ -61,7 +61,7 @@ class MoEBlock(nnx.Module):
         and one sum over both axes adds the partial outputs. Assignments to other shards'
         experts cost nothing: they are sorted past the local groups.
         """
-        weights, experts = route_top_k(router_logits, self.top_k)  # [M, k], [M, k]
+        weights, experts = route_top_k(router_logits, self.top_k)  # [T, A], [T, A]
         implementation = "auto" if self.implementation in ("dense", "sorted") else (
             self.implementation)
         summed = tuple(axis for axis in (expert_axis, mlp_axis) if axis is not None)
@@ -71,7 +71,7 @@ class MoEBlock(nnx.Module):
             first = 0 if expert_axis is None else (
                 jax.lax.axis_index(expert_axis) * gate.shape[0])
             partial = moe_ffn_local_experts(tokens, weights, experts, gate, up, down, first,
-                                            implementation)  # [M, D] float32
+                                            implementation)  # [T, D] float32
             return jax.lax.psum(partial, summed)
 
         expert_spec = PartitionSpec(expert_axis, None, mlp_axis)  # [E, D, F]
@@ -80,5 +80,5 @@ class MoEBlock(nnx.Module):
             local, in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), expert_spec,
                              expert_spec, down_spec),
             out_specs=PartitionSpec(), check_vma=False,
-        )(tokens, weights, experts, gate, up, down)  # [M, D] float32
+        )(tokens, weights, experts, gate, up, down)  # [T, D] float32
         return out.astype(tokens.dtype)

@@ -42,10 +42,11 @@ def _llama3_scale(inv_freq: np.ndarray, factor: float, low_freq_factor: float,
     low_freq_wavelength = original_max / low_freq_factor
     high_freq_wavelength = original_max / high_freq_factor
     wavelength = 2 * math.pi / inv_freq  # [H/2]
-    scaled = np.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
-    smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    interpolated = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    scaled = np.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)  # [H/2]
+    smooth = ((original_max / wavelength - low_freq_factor)
+              / (high_freq_factor - low_freq_factor))  # [H/2]
+    interpolated = (1 - smooth) * scaled / factor + smooth * scaled  # [H/2]
+    in_band = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)  # [H/2]
     return np.where(in_band, interpolated, scaled)
 
 
@@ -53,7 +54,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     """Rotates queries or keys by their positions.
 
     Args:
-        x: `[B, T, N, H]` queries or keys.
+        x: `[B, T, N|K, H]` queries or keys.
         positions: `[B, T]` int32 absolute positions.
         inv_freq: `[H/2]` inverse frequencies from `inverse_frequencies`.
 
@@ -63,7 +64,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
     sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
-    x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)  # [B, T, N, H/2] each
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)  # [B, T, N, H]
+    x32 = x.astype(jnp.float32)  # [B, T, N|K, H]
+    first, second = jnp.split(x32, 2, axis=-1)  # [B, T, N|K, H/2] each
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
+                              axis=-1)  # [B, T, N|K, H]
+    return rotated.astype(x.dtype)  # [B, T, N|K, H]

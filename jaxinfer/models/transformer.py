@@ -32,7 +32,7 @@ class KVCache(NamedTuple):
     def create(cls, config: ModelConfig, batch_size: int, max_length: int,
                dtype: str | None = None) -> KVCache:
         """Allocates a zeroed cache of `[B, S, K, H]` keys and values per layer."""
-        shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)
+        shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)  # [B, S, K, H]
         cache_dtype = dtype_of(dtype or config.dtype)
         return cls(tuple(LayerCache(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
                          for _ in range(config.num_layers)))
@@ -43,7 +43,7 @@ class PagedKVCache(NamedTuple):
     slot of the same tokens in every layer), plus the step's `PagedBatch`.
 
     An int8 pool also holds one float32 `[P, page_size, 2K]` scale array per layer: one
-    scale per token and (interleaved) K/V head over head_dim, symmetric absmax / 127
+    scale per token and (interleaved) key or value head over head_dim, symmetric absmax / 127
     (`pallas_kernels.ragged_paged_attention.write_to_quantized_pages`).
     """
 
@@ -56,6 +56,7 @@ class PagedKVCache(NamedTuple):
                batch: PagedBatch, dtype: str | None = None) -> PagedKVCache:
         """Allocates a zeroed pool of `num_pages` pages per layer; `dtype="int8"` gives the
         quantized pool with its scales."""
+        # Per layer: pages [P, page_size, 2K, H]; an int8 pool's scales [P, page_size, 2K].
         shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
         cache_dtype = dtype_of(dtype or config.dtype)
         layers = tuple(jnp.zeros(shape, cache_dtype) for _ in range(config.num_layers))
@@ -171,7 +172,7 @@ class Transformer(nnx.Module):
             intermediates.append(x)
         new_layers = []
         for index, block in enumerate(self.layers):
-            x, layer_cache = block(x, positions, _layer_cache(cache, index))
+            x, layer_cache = block(x, positions, _layer_cache(cache, index))  # [B, T, D]
             new_layers.append(layer_cache)
             if intermediates is not None:
                 intermediates.append(x)
@@ -199,7 +200,7 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1], dtype=jnp.int32),
                                          token_ids.shape)  # [B, T]
-        hidden, cache = self.hidden_states(token_ids, positions, cache)
+        hidden, cache = self.hidden_states(token_ids, positions, cache)  # [B, T, D]
         return self.logits(hidden), cache
 
 

@@ -42,7 +42,7 @@ def calibration_windows(token_ids: Sequence[int] | np.ndarray, window: int,
     Raises:
         ValueError: The stream holds less than one window.
     """
-    ids = np.asarray(token_ids, np.int32)  # [N]
+    ids = np.asarray(token_ids, np.int32)  # [len(token_ids)]
     count = min(ids.size, max_tokens) // window
     if count < 1:
         raise ValueError(f"calibration needs at least one window of {window} tokens; the "
@@ -65,7 +65,7 @@ def embedding_output(model: Transformer, token_ids: jax.Array) -> jax.Array:
 def run_block(block: DecoderBlock, x: jax.Array, positions: jax.Array
               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs one block without a cache; returns its `[B, T, D]` output and its four captured
-    linear inputs by site (see the module docstring), each flattened to `[B * T, K]`.
+    linear inputs by site (see the module docstring), each flattened to `[B * T, I]`.
 
     Jitted per block structure: blocks at the same stage of quantization share one program.
 
@@ -88,12 +88,12 @@ def _run_block(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, positions
                          f"{sorted(captured)}")
     flat = {site: inputs.reshape(-1, int(np.prod(inputs.shape[2:])))
             for site, inputs in captured.items()}
-    return out, flat  # [B, T, D], 4 x [B * T, K]
+    return out, flat  # [B, T, D], 4 x [B * T, I]
 
 
 def collect_block_inputs(model: Transformer, windows: np.ndarray
                          ) -> list[dict[str, jax.Array]]:
-    """Per block, its four captured `[B * T, K]` linear inputs by site on the calibration
+    """Per block, its four captured `[B * T, I]` linear inputs by site on the calibration
     windows, each block fed by the previous block's output (of `model` as it is)."""
     token_ids = jnp.asarray(windows)  # [B, T]
     positions = positions_for(token_ids)  # [B, T]

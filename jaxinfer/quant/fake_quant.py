@@ -45,14 +45,14 @@ def quantize_symmetric(weight: jax.Array, bits: int, reduce_axes: Sequence[int],
         The dequantized weight, float32, same shape.
     """
     levels = 2 ** (bits - 1) - 1
-    weight = weight.astype(jnp.float32)
+    weight = weight.astype(jnp.float32)  # any shape
     peak = jnp.max(jnp.abs(weight), axis=tuple(reduce_axes), keepdims=True)  # [.., 1, ..]
 
     def at_ratio(ratio: float) -> tuple[jax.Array, jax.Array]:
-        scale = jnp.maximum(peak * ratio, 1e-12) / levels
-        dequantized = jnp.clip(jnp.round(weight / scale), -levels, levels) * scale
+        scale = jnp.maximum(peak * ratio, 1e-12) / levels  # [.., 1, ..]
+        dequantized = jnp.clip(jnp.round(weight / scale), -levels, levels) * scale  # like weight
         error = jnp.sum(jnp.square(dequantized - weight), axis=tuple(reduce_axes),
-                        keepdims=True)
+                        keepdims=True)  # [.., 1, ..]
         return dequantized, error
 
     best, best_error = at_ratio(1.0)
@@ -77,19 +77,19 @@ def quantize_asymmetric(x: jax.Array, bits: int, group_size: int | None = None) 
         The dequantized `x`, in `x`'s dtype.
     """
     batch, length = x.shape[:2]
-    flat = x.reshape(batch, length, -1).astype(jnp.float32)  # [B, T, C]
+    flat = x.reshape(batch, length, -1).astype(jnp.float32)  # [B, T, size]
     size = flat.shape[-1]
     group = size if group_size is None else min(group_size, size)
     if size % group:
         raise ValueError(f"group_size {group} does not divide the {size} channels")
-    grouped = flat.reshape(batch, length, size // group, group)  # [B, T, C/g, g]
-    low = jnp.min(grouped, axis=-1, keepdims=True)  # [B, T, C/g, 1]
-    high = jnp.max(grouped, axis=-1, keepdims=True)  # [B, T, C/g, 1]
+    grouped = flat.reshape(batch, length, size // group, group)  # [B, T, size // group, group]
+    low = jnp.min(grouped, axis=-1, keepdims=True)  # [B, T, size // group, 1]
+    high = jnp.max(grouped, axis=-1, keepdims=True)  # [B, T, size // group, 1]
     maximum = 2 ** bits - 1
-    scale = jnp.maximum(high - low, 1e-12) / maximum
-    zero = jnp.round(-low / scale)
-    quantized = jnp.clip(jnp.round(grouped / scale) + zero, 0, maximum)
-    return ((quantized - zero) * scale).reshape(x.shape).astype(x.dtype)
+    scale = jnp.maximum(high - low, 1e-12) / maximum  # [B, T, size // group, 1]
+    zero = jnp.round(-low / scale)  # [B, T, size // group, 1]
+    quantized = jnp.clip(jnp.round(grouped / scale) + zero, 0, maximum)  # like grouped
+    return ((quantized - zero) * scale).reshape(x.shape).astype(x.dtype)  # [B, T, ...]
 
 
 def _input_axes(names: list[str], shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -141,7 +141,7 @@ PROTOCOLS = {
 @contextlib.contextmanager
 def simulate(model: Transformer, protocol: QuantizationProtocol) -> Iterator[Transformer]:
     """Yields a weight-quantized copy of `model` whose forward also quantizes activations
-    and K/V (`jaxinfer.models.hooks`); `model` itself is unchanged.
+    and keys/values (`jaxinfer.models.hooks`); `model` itself is unchanged.
 
     The hooks belong to the yielded model, so it may be jitted anywhere (inside the block or
     after); the block only scopes the copy.

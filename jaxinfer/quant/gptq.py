@@ -3,7 +3,7 @@ arXiv 2210.17323), as METHODS.md section 1 states it.
 
 Per linear layer, layers in forward order, each fed by the already-quantized layers before it:
 
-1. `H = 2/M * sum x x^T` over the M calibration inputs x of the layer (float64 here).
+1. `H = 2/T * sum x x^T` over the T calibration inputs x of the layer (float64 here).
 2. Dead inputs (`H_jj == 0`): `H_jj = 1` and weight row j zeroed.
 3. Act-order (optional): inputs processed by descending `diag(H)`; undone at the end.
 4. Damping: `H += damping * mean(diag H) * I`.
@@ -14,7 +14,7 @@ Per linear layer, layers in forward order, each fed by the already-quantized lay
    block's later inputs take `w -= e (x) U[i, i:end]`; after the block, one matmul
    propagates the block's errors to every later input.
 
-Weights are `[K, N]` here (input rows, output columns), the transpose of the paper's
+Weights are `[I, O]` here (input rows, output columns), the transpose of the paper's
 `[out, in]`; "column i" of the paper is input row i. Groups are contiguous runs of
 `group_size` input rows, as the storage format (`QuantizedWeight`) needs, also under
 act-order; the scale of a group is then computed when act-order first reaches one of its
@@ -41,26 +41,26 @@ from jaxinfer.quant.config import QuantizationConfig, WeightScheme
 from jaxinfer.quant.linear import LinearSite, copy_model, linear_sites
 from pallas_kernels.quant_matmul import QuantizedWeight, WeightFormat, get_format
 
-# Called after each layer with (site, its [M, K] calibration inputs, the float [K, N]
+# Called after each layer with (site, its [T, I] calibration inputs, the float [I, O]
 # weight, the GPTQ QuantizedWeight): lets tests and reports measure per-layer errors.
 LayerCallback = Callable[[LinearSite, jax.Array, jax.Array, QuantizedWeight], None]
 
 
 def hessian(inputs: jax.Array) -> np.ndarray:
-    """`H = 2/M * X^T X` from `[M, K]` inputs, accumulated in float32 (METHODS.md), returned
-    as float64 `[K, K]` for the inversion and Cholesky factorization that follow."""
-    x = jnp.asarray(inputs, jnp.float32)  # [M, K]
-    product = jnp.matmul(x.T, x, precision=jax.lax.Precision.HIGHEST)  # [K, K]
+    """`H = 2/T * X^T X` from `[T, I]` inputs, accumulated in float32 (METHODS.md), returned
+    as float64 `[I, I]` for the inversion and Cholesky factorization that follow."""
+    x = jnp.asarray(inputs, jnp.float32)  # [T, I]
+    product = jnp.matmul(x.T, x, precision=jax.lax.Precision.HIGHEST)  # [I, I]
     return np.asarray(product, np.float64) * (2.0 / x.shape[0])
 
 
 def _group_parameters(current: np.ndarray, scheme: WeightScheme
                       ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Scale `[N]` (and signed zero point `[N]`) of one group's current `[g, N]` weights,
+    """Scale `[O]` (and signed zero point `[O]`) of one group's current `[group_size, O]` weights,
     by the same rule as round-to-nearest (the format's `grid_parameters`)."""
     scales, zeros = _grid(scheme).grid_parameters(
         jnp.asarray(current[None], jnp.float32), scheme.bits,
-        scheme.symmetric)  # [1, N] each
+        scheme.symmetric)  # [1, O] each
     return (np.asarray(scales[0], np.float64),
             None if zeros is None else np.asarray(zeros[0], np.float64))
 
@@ -76,13 +76,13 @@ def _grid(scheme: WeightScheme) -> WeightFormat:
 def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
                   scheme: WeightScheme, *, damping: float = 0.01, block_size: int = 128,
                   act_order: bool = True) -> QuantizedWeight:
-    """GPTQ of one `[K, N]` weight given its `[K, K]` Hessian (steps 2-6 above).
+    """GPTQ of one `[I, O]` weight given its `[I, I]` Hessian (steps 2-6 above).
 
     Args:
-        weight: `[K, N]` float weight.
-        hessian_matrix: `[K, K]` `2/M X^T X` of the layer's calibration inputs.
+        weight: `[I, O]` float weight.
+        hessian_matrix: `[I, I]` `2/T X^T X` of the layer's calibration inputs.
         scheme: Target format, any with an integer grid in the registry: "int8"/"w8a8"
-            (one scale per output channel: the whole K is one group) or "int4" with `bits`
+            (one scale per output channel: the whole I is one group) or "int4" with `bits`
             and `group_size`.
         damping: Fraction of the mean diagonal added to the diagonal.
         block_size: Inputs per lazy-batch block.
@@ -92,65 +92,65 @@ def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
         The quantized weight in `scheme`'s format.
 
     Raises:
-        ValueError: K is not a multiple of the group size.
+        ValueError: I is not a multiple of the group size.
     """
-    w = np.asarray(weight, np.float64).T.copy()  # [N, K]: the paper's layout
-    h = np.array(hessian_matrix, np.float64)  # [K, K]
+    w = np.asarray(weight, np.float64).T.copy()  # [O, I]: the paper's layout
+    h = np.array(hessian_matrix, np.float64)  # [I, I]
     n, k = w.shape
     weight_format = _grid(scheme)
     group_size = weight_format.group_rows(k, scheme.group_size)
     if k % group_size:
         raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
-    dead = np.diag(h) == 0  # [K]
+    dead = np.diag(h) == 0  # [I]
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)  # [K]
-    position_of = np.argsort(order)  # [K]: where each original input is processed
-    w, h = w[:, order], h[order][:, order]
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)  # [I]
+    position_of = np.argsort(order)  # [I]: where each original input is processed
+    w, h = w[:, order], h[order][:, order]  # [O, I], [I, I] in processing order
     h[np.diag_indices(k)] += damping * np.mean(np.diag(h))
-    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # [K, K], H^-1 = U^T U
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # [I, I], H^-1 = U^T U
     lowest, highest = weight_format.levels(scheme.bits, scheme.symmetric)
     num_groups = k // group_size
-    scales = np.zeros((num_groups, n))  # [G, N]
-    zeros = None if scheme.symmetric else np.zeros((num_groups, n))  # [G, N]
-    has_parameters = np.zeros(num_groups, bool)
-    values = np.zeros((n, k))  # [N, K] integer levels, processing order
+    scales = np.zeros((num_groups, n))  # [C, O]
+    zeros = None if scheme.symmetric else np.zeros((num_groups, n))  # [C, O]
+    has_parameters = np.zeros(num_groups, bool)  # [C]
+    values = np.zeros((n, k))  # [O, I] integer levels, processing order
     for start in range(0, k, block_size):
         end = min(start + block_size, k)
-        block = w[:, start:end].copy()  # [N, b]: updated as the block is walked
-        errors = np.zeros_like(block)  # [N, b]
+        block = w[:, start:end].copy()  # [O, end - start]: updated as the block is walked
+        errors = np.zeros_like(block)  # [O, end - start]
         for i in range(end - start):
             group = order[start + i] // group_size
             if not has_parameters[group]:
-                members = position_of[group * group_size:(group + 1) * group_size]  # [g]
-                current = np.empty((group_size, n))  # [g, N]
-                inside = members < end
+                members = position_of[group * group_size:(group + 1) * group_size]  # [group_size]
+                current = np.empty((group_size, n))  # [group_size, O]
+                inside = members < end  # [group_size]
                 current[inside] = block[:, members[inside] - start].T
                 # Later blocks have not yet received this block's pending updates.
-                outside = members[~inside]
+                outside = members[~inside]  # [group_size - inside.sum()]
                 current[~inside] = (w[:, outside] - errors[:, :i]
                                     @ upper[start:start + i, outside]).T
                 scale, zero = _group_parameters(current, scheme)
                 scales[group], has_parameters[group] = scale, True
                 if zeros is not None:
                     zeros[group] = zero
-            scale = scales[group]  # [N]
-            zero = 0.0 if zeros is None else zeros[group]  # [N] or scalar
-            column = block[:, i]  # [N]
-            level = np.clip(np.round(column / scale) + zero, lowest, highest)  # [N]
-            quantized = (level - zero) * scale  # [N]
+            scale = scales[group]  # [O]
+            zero = 0.0 if zeros is None else zeros[group]  # [O] or scalar
+            column = block[:, i]  # [O]
+            level = np.clip(np.round(column / scale) + zero, lowest, highest)  # [O]
+            quantized = (level - zero) * scale  # [O]
             values[:, start + i] = level
-            error = (column - quantized) / upper[start + i, start + i]  # [N]
+            error = (column - quantized) / upper[start + i, start + i]  # [O]
             block[:, i:] -= np.outer(error, upper[start + i, start:end][i:])
             errors[:, i] = error
         w[:, end:] -= errors @ upper[start:end, end:]
-    levels = values[:, position_of].T.astype(np.int8)  # [K, N] original order
+    levels = values[:, position_of].T.astype(np.int8)  # [I, O] original order
     return _as_quantized_weight(levels, scales, zeros, scheme)
 
 
 def _as_quantized_weight(levels: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
                          scheme: WeightScheme) -> QuantizedWeight:
-    """`[K, N]` integer levels with `[G, N]` scales (zeros) in the scheme's storage."""
+    """`[I, O]` integer levels with `[C, O]` scales (zeros) in the scheme's storage."""
     return get_format(scheme.format).from_levels(
         jnp.asarray(levels), jnp.asarray(scales, jnp.float32),
         None if zeros is None else jnp.asarray(zeros, jnp.int8), scheme.group_size,
@@ -192,7 +192,7 @@ def gptq_quantize_model(model: Transformer, config: QuantizationConfig, windows:
             if not chosen:
                 continue
             _, inputs = run_block(block, x, positions)  # with the layers quantized so far
-            h = hessian(inputs[capture])  # [K, K]
+            h = hessian(inputs[capture])  # [I, I]
             for site, scheme in chosen:
                 _quantize_site(site, scheme, h, inputs[capture], config, on_layer,
                                implementation)
@@ -209,7 +209,7 @@ def gptq_quantize_model(model: Transformer, config: QuantizationConfig, windows:
 def _quantize_site(site: LinearSite, scheme: WeightScheme, h: np.ndarray, inputs: jax.Array,
                    config: QuantizationConfig, on_layer: LayerCallback | None,
                    implementation: str) -> None:
-    matrix = site.float_matrix()  # [K, N]
+    matrix = site.float_matrix()  # [I, O]
     try:
         weight = gptq_quantize(matrix, h, scheme, damping=config.gptq_damping,
                                block_size=config.gptq_block_size,

@@ -38,7 +38,7 @@ def kv_bytes_per_token(config: ModelConfig, kv_cache_dtype: str | None = None) -
     Args:
         config: The model.
         kv_cache_dtype: "int8" (one byte per element plus a float32 scale per token, layer
-            and K or V head), a float dtype name, or None for the model's compute dtype.
+            and key or value head), a float dtype name, or None for the model's compute dtype.
     """
     elements = 2 * config.num_layers * config.num_kv_heads * config.head_dim
     if kv_cache_dtype == "int8":

@@ -3,7 +3,7 @@
 The model's projections are float linear parameters (`attention.q_proj` is a `[D, N, H]`
 `jaxinfer.models.layers.LinearParam`, which the forward calls: `self.q_proj(x)`).
 Quantizing one replaces that attribute with a `QuantizedLinear` module holding a
-`pallas_kernels.quant_matmul.QuantizedWeight` of the flattened `[K, N]` matrix
+`pallas_kernels.quant_matmul.QuantizedWeight` of the flattened `[I, O]` matrix
 (`[D, N * H]` for q_proj, `[N * H, D]` for o_proj); it takes the same call, so the forward
 does not change, and it calls `quantized_matmul`, which looks the weight's format up in
 the format registry and lets `pallas_kernels.dispatch` pick the Pallas kernel or the
@@ -38,11 +38,11 @@ class QuantizedArray(nnx.Variable):
 
 
 class QuantizedLinear(nnx.Module):
-    """`x @ W` for a quantized `[K, N]` weight W, reshaped to the parameter it replaces.
+    """`x @ weight` for a quantized `[I, O]` weight, reshaped to the parameter it replaces.
 
     Args:
-        weight: The quantized `[K, N]` matrix.
-        output_shape: The output axes of the replaced parameter, whose product is N (e.g.
+        weight: The quantized `[I, O]` matrix.
+        output_shape: The output axes of the replaced parameter, whose product is O (e.g.
             `(N, H)` for q_proj); the layer's output is `[..., *output_shape]`.
         implementation: `pallas_kernels.dispatch` choice; "auto" follows
             `force_implementation` and `JAXINFER_KERNELS`.
@@ -53,9 +53,9 @@ class QuantizedLinear(nnx.Module):
         if math.prod(output_shape) != weight.shape[1]:
             raise ValueError(f"output_shape {tuple(output_shape)} does not hold the "
                              f"{weight.shape[1]} output features of the quantized weight")
-        self.values = QuantizedArray(weight.values)  # [K, N] int8 or [K // 2, N] uint8
-        self.scales = QuantizedArray(weight.scales)  # [N] or [K // g, N] float32
-        self.zeros = None if weight.zeros is None else QuantizedArray(weight.zeros)
+        self.values = QuantizedArray(weight.values)  # [I, O] int8 or [I // 2, O] uint8
+        self.scales = QuantizedArray(weight.scales)  # [O] or [C, O] float32
+        self.zeros = None if weight.zeros is None else QuantizedArray(weight.zeros)  # [C, O]
         self.format = weight.format
         self.group_size = weight.group_size
         self.bits = weight.bits
@@ -70,19 +70,19 @@ class QuantizedLinear(nnx.Module):
                                self.group_size, self.bits)
 
     def __call__(self, x: jax.Array, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
-        """`[..., K]` activations to `[..., *output_shape]` (the `LinearParam` call).
+        """`[..., I]` activations to `[..., *output_shape]` (the `LinearParam` call).
 
         Args:
-            x: `[..., K]` activations.
+            x: `[..., I]` activations.
             out_dtype: Result dtype (the kernels accumulate in float32 and write it
                 directly); default the activations' dtype.
         """
         out = quantized_matmul_op(x, self.weight, implementation=self.implementation,
-                                  out_dtype=out_dtype)  # [..., N]
+                                  out_dtype=out_dtype)  # [..., O]
         return out.reshape(*x.shape[:-1], *self.output_shape)  # [..., *output_shape]
 
     def dequantized(self) -> jax.Array:
-        """The float32 `[K, N]` matrix the layer multiplies by."""
+        """The float32 `[I, O]` matrix the layer multiplies by."""
         return dequantize_weight(self.weight)
 
     def nbytes(self) -> int:
@@ -95,7 +95,7 @@ class QuantizedLinear(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class LinearSite:
-    """One linear weight of a model: where it lives and how it flattens to `[K, N]`.
+    """One linear weight of a model: where it lives and how it flattens to `[I, O]`.
 
     Attributes:
         path: Dotted path, e.g. `layers.0.attention.o_proj`.
@@ -121,7 +121,7 @@ class LinearSite:
         return isinstance(self.layer, QuantizedLinear)
 
     def float_matrix(self) -> jax.Array:
-        """The float parameter flattened to `[K, N]` (in its own dtype).
+        """The float parameter flattened to `[I, O]` (in its own dtype).
 
         Raises:
             ValueError: The site is already quantized.
@@ -130,7 +130,7 @@ class LinearSite:
             raise ValueError(f"{self.path} is already quantized")
         value = self.layer[...]  # [*inputs, *outputs]
         inputs = math.prod(value.shape[:self.input_axes])
-        return value.reshape(inputs, -1)  # [K, N]
+        return value.reshape(inputs, -1)  # [I, O]
 
     def output_shape(self) -> tuple[int, ...]:
         """The output axes of the parameter (or the quantized layer's)."""
@@ -139,8 +139,8 @@ class LinearSite:
         return tuple(self.layer[...].shape[self.input_axes:])
 
     def set_float_matrix(self, matrix: jax.Array) -> None:
-        """Replaces the float parameter's value by `[K, N]` `matrix`, reshaped and recast."""
-        value = self.layer[...]
+        """Replaces the float parameter's value by `[I, O]` `matrix`, reshaped and recast."""
+        value = self.layer[...]  # [*inputs, *outputs]
         self.layer[...] = matrix.reshape(value.shape).astype(value.dtype)
 
     def quantize(self, weight: QuantizedWeight, implementation: str = "auto") -> None:
@@ -167,7 +167,7 @@ def linear_sites(model: Transformer) -> list[LinearSite]:
 
 
 def quantize_matrix(matrix: jax.Array, scheme: WeightScheme) -> QuantizedWeight:
-    """Round-to-nearest quantization of a `[K, N]` matrix in `scheme`."""
+    """Round-to-nearest quantization of a `[I, O]` matrix in `scheme`."""
     return get_format(scheme.format).quantize(matrix, scheme.bits, scheme.group_size,
                                               scheme.symmetric)
 
@@ -200,7 +200,7 @@ def quantize_model(model: Transformer, config: QuantizationConfig, *,
         The quantized model; weights whose scheme is None stay float parameters.
 
     Raises:
-        ValueError: A weight's shape does not fit its scheme (e.g. K not a multiple of the
+        ValueError: A weight's shape does not fit its scheme (e.g. I not a multiple of the
             group size); the message names the weight.
     """
     model = copy_model(model)
@@ -229,8 +229,9 @@ def dequantize_model(model: Transformer) -> Transformer:
         if site.is_quantized:
             layer = site.layer
             k = layer.weight.shape[0]
-            matrix = layer.dequantized()  # [K, N]
+            matrix = layer.dequantized()  # [I, O]
             input_shape = _input_shape(model, site, k)
+            # [*input_shape, *output_shape]: the float parameter's own shape
             value = matrix.reshape(*input_shape, *layer.output_shape).astype(dtype)
             setattr(site.owner, site.name, LinearParam(value, input_axes=site.input_axes))
     return model
@@ -259,7 +260,7 @@ def linear_weight_bytes(model: Transformer, pattern: str = r".") -> tuple[int, i
             k = layer.weight.shape[0]
             bf16 += 2 * k * math.prod(layer.output_shape)
         else:
-            value = layer[...]
+            value = layer[...]  # [*inputs, *outputs]
             stored += value.size * value.dtype.itemsize
             bf16 += 2 * value.size
     return stored, bf16

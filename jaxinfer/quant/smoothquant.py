@@ -44,20 +44,20 @@ _FLOOR = 1e-5
 
 def smoothing_factors(activation_max: jax.Array, weight_max: jax.Array,
                       alpha: float) -> jax.Array:
-    """`s = max|X|^a / max|W|^(1-a)` per input channel, from two `[K]` maxima: `[K]`."""
-    activation_max = jnp.maximum(activation_max, _FLOOR)  # [K]
-    weight_max = jnp.maximum(weight_max, _FLOOR)  # [K]
-    return activation_max ** alpha / weight_max ** (1.0 - alpha)  # [K]
+    """`s = max|X|^a / max|W|^(1-a)` per input channel, from two `[I]` maxima: `[I]`."""
+    activation_max = jnp.maximum(activation_max, _FLOOR)  # [I]
+    weight_max = jnp.maximum(weight_max, _FLOOR)  # [I]
+    return activation_max ** alpha / weight_max ** (1.0 - alpha)  # [I]
 
 
 def _row_max(sites: list[LinearSite]) -> jax.Array:
-    """`max|W_j|` over input row j of every listed `[K, N]` weight: `[K]`."""
+    """`max|W_j|` over input row j of every listed `[I, O]` weight: `[I]`."""
     return jnp.max(jnp.stack([jnp.max(jnp.abs(site.float_matrix().astype(jnp.float32)),
-                                      axis=1) for site in sites]), axis=0)  # [K]
+                                      axis=1) for site in sites]), axis=0)  # [I]
 
 
 def _scale_rows(site: LinearSite, factors: jax.Array) -> None:
-    matrix = site.float_matrix().astype(jnp.float32)  # [K, N]
+    matrix = site.float_matrix().astype(jnp.float32)  # [I, O]
     site.set_float_matrix(matrix * factors[:, None])
 
 
@@ -80,12 +80,12 @@ def smooth_model(model: Transformer, windows: np.ndarray, alpha: float) -> Trans
         alpha: Migration strength a in [0, 1].
     """
     model = copy_model(model)
-    inputs = collect_block_inputs(model, windows)  # per block: site -> [M, K]
+    inputs = collect_block_inputs(model, windows)  # per block: site -> [B * T, I]
     sites = {site.path: site for site in linear_sites(model)}
     for index, block in enumerate(model.layers):
         prefix = f"layers.{index}"
         activation_max = {site: jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0)
-                          for site, x in inputs[index].items()}  # site -> [K]
+                          for site, x in inputs[index].items()}  # site -> [I]
         attention = [sites[f"{prefix}.attention.{name}"] for name in ("q_proj", "k_proj",
                                                                       "v_proj")]
         factors = smoothing_factors(activation_max["attention_input"], _row_max(attention),

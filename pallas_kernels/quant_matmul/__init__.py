@@ -1,6 +1,6 @@
 """Weight-quantized matmul: the public op and the weight pytree it takes.
 
-`quantize_weight` turns a float `[K, N]` weight into a `QuantizedWeight` once, at load
+`quantize_weight` turns a float `[I, O]` weight into a `QuantizedWeight` once, at load
 time; `quantized_matmul(x, weight)` multiplies activations by it. Which formats exist, and
 how each is quantized, dequantized and multiplied, is the registry in `formats.py`
 (built in: "int8", "int4", "w8a8"); these ops look the weight's format up there.
@@ -36,10 +36,10 @@ def quantize_weight(
     w: jax.Array, weight_format: str, *, group_size: int = 128, symmetric: bool = True,
     bits: int | None = None,
 ) -> QuantizedWeight:
-    """Quantizes a float `[K, N]` weight (round to nearest).
+    """Quantizes a float `[I, O]` weight (round to nearest).
 
     Args:
-        w: `[K, N]` float weight (input features by output features).
+        w: `[I, O]` float weight (input features by output features).
         weight_format: A registered format name: "int8", "int4", "w8a8", ...
         group_size: Rows per scale group (grouped formats only; ignored by the others).
         symmetric: False gives zero points (formats that hold them; ignored by the others).
@@ -60,7 +60,7 @@ def quantize_weight(
 
 
 def dequantize_weight(weight: QuantizedWeight) -> jax.Array:
-    """The float32 `[K, N]` weight a `QuantizedWeight` stands for."""
+    """The float32 `[I, O]` weight a `QuantizedWeight` stands for."""
     return get_format(weight.format).dequantize(weight)
 
 
@@ -74,14 +74,14 @@ def quantized_matmul(
     """`x @ weight` for a quantized weight.
 
     Args:
-        x: `[..., K]` float32 or bfloat16 activations; leading axes are flattened into
+        x: `[..., I]` float32 or bfloat16 activations; leading axes are flattened into
             tokens and restored.
-        weight: A `QuantizedWeight` standing for a `[K, N]` matrix.
+        weight: A `QuantizedWeight` standing for a `[I, O]` matrix.
         implementation: See `pallas_kernels.dispatch`.
         out_dtype: Result dtype; defaults to the dtype of `x`.
 
     Returns:
-        `[..., N]`.
+        `[..., O]`.
     """
     choice = dispatch.resolve(implementation)
     spec = get_format(weight.format)
@@ -90,10 +90,10 @@ def quantized_matmul(
         raise ValueError(f"quantized_matmul: x has shape {x.shape}, its last axis must be "
                          f"K={k} of the [{k}, {n}] {weight.format} weight")
     leading = x.shape[:-1]
-    tokens = x.reshape(-1, k)  # [M, K]
+    tokens = x.reshape(-1, k)  # [T, I]
     if choice in ("xla", "reference"):
-        out = spec.reference_matmul(tokens, weight, out_dtype)  # [M, N]
+        out = spec.reference_matmul(tokens, weight, out_dtype)  # [T, O]
     else:
         out = spec.kernel_matmul(tokens, weight, out_dtype,
-                                 dispatch.interpret_mode(choice))  # [M, N]
-    return out.reshape(*leading, n)  # [..., N]
+                                 dispatch.interpret_mode(choice))  # [T, O]
+    return out.reshape(*leading, n)  # [..., O]

@@ -1,7 +1,7 @@
 """The weight-format registry: every quantized weight format is one `WeightFormat` entry.
 
 An entry says everything the rest of the stack needs to know about a format: its name,
-which bit widths and options it holds, how a float `[K, N]` weight is quantized into it
+which bit widths and options it holds, how a float `[I, O]` weight is quantized into it
 (round to nearest) and dequantized back, its readable reference matmul and its kernel
 matmul, and (for formats on an integer grid) the pieces GPTQ needs to round one group at a
 time. `quantize_weight`, `dequantize_weight` and `quantized_matmul` (the package's public
@@ -42,15 +42,15 @@ Interpret = bool | pltpu.InterpretParams
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantized `[K, N]` weight. A pytree: arrays are leaves, format and group are static.
+    """A quantized `[I, O]` weight. A pytree: arrays are leaves, format and group are static.
 
     Attributes:
         format: The name of a registered `WeightFormat` ("int8", "int4", "w8a8", ...).
-        values: The stored integers: int8 `[K, N]` for "int8" and "w8a8", uint8
-            `[K // 2, N]` for "int4" (two values per byte); in general
-            `[K // format.rows_per_stored_row, N]`.
-        scales: float32 `[N]` for per-channel formats, `[K // group_size, N]` for grouped.
-        zeros: int8 `[K // group_size, N]` zero points of an asymmetric grouped weight, else
+        values: The stored integers: int8 `[I, O]` for "int8" and "w8a8", uint8
+            `[I // 2, O]` for "int4" (two values per byte); in general
+            `[I // format.rows_per_stored_row, O]`.
+        scales: float32 `[O]` for per-channel formats, `[C, O]` for grouped.
+        zeros: int8 `[C, O]` zero points of an asymmetric grouped weight, else
             None.
         group_size: Rows per scale group for grouped formats, else None.
         bits: Bit width of the values: the format's default when not given (8 for "int8"
@@ -77,7 +77,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The `(K, N)` shape of the weight this stands for."""
+        """The `(I, O)` shape of the weight this stands for."""
         rows, columns = self.values.shape
         return rows * get_format(self.format).rows_per_stored_row, columns
 
@@ -85,17 +85,18 @@ class QuantizedWeight:
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scales", "zeros"],
                                  meta_fields=["format", "group_size", "bits"])
 
-# (x [M, K], weight, out_dtype or None for x's dtype) -> [M, N]
+# (x [T, I], weight, out_dtype or None for x's dtype) -> [T, O]
 ReferenceMatmul = Callable[[jax.Array, QuantizedWeight, jnp.dtype | None], jax.Array]
-# (x [M, K], weight, out_dtype or None, pallas_call's interpret argument) -> [M, N]
+# (x [T, I], weight, out_dtype or None, pallas_call's interpret argument) -> [T, O]
 KernelMatmul = Callable[[jax.Array, QuantizedWeight, jnp.dtype | None, Interpret], jax.Array]
-# (w [K, N] float, bits, group_size or None, symmetric) -> QuantizedWeight
+# (w [I, O] float, bits, group_size or None, symmetric) -> QuantizedWeight
 Quantize = Callable[[jax.Array, int, int | None, bool], QuantizedWeight]
 # (bits, symmetric) -> (lowest, highest) integer level a value may take
 Levels = Callable[[int, bool], tuple[int, int]]
-# (groups [G, g, N] float, bits, symmetric) -> (scales [G, N] float32, zeros [G, N] int8 | None)
+# (groups [C, group_size, O] float, bits, symmetric)
+#     -> (scales [C, O] float32, zeros [C, O] int8 | None)
 GridParameters = Callable[[jax.Array, int, bool], tuple[jax.Array, jax.Array | None]]
-# (levels [K, N] int8, scales [G, N] float32, zeros [G, N] int8 | None, group_size or None,
+# (levels [I, O] int8, scales [C, O] float32, zeros [C, O] int8 | None, group_size or None,
 #  bits) -> QuantizedWeight
 FromLevels = Callable[[jax.Array, jax.Array, jax.Array | None, int | None, int],
                       QuantizedWeight]
@@ -115,18 +116,18 @@ class WeightFormat:
             only.
         group_multiple: group_size must be a positive multiple of this (grouped formats).
         rows_per_stored_row: Input rows per row of `values` (2 when two values share a
-            byte along K).
-        quantize: Round-to-nearest quantization of a float `[K, N]` weight.
-        dequantize: The float32 `[K, N]` matrix a `QuantizedWeight` stands for.
+            byte along I).
+        quantize: Round-to-nearest quantization of a float `[I, O]` weight.
+        dequantize: The float32 `[I, O]` matrix a `QuantizedWeight` stands for.
         reference_matmul: `x @ weight`, the readable jnp reference (the XLA path).
         kernel_matmul: `x @ weight` through the Pallas kernel.
         levels: For integer-grid formats, the integer levels a value may take; with
             `grid_parameters` and `from_levels` this lets GPTQ round one group at a time.
             None: GPTQ cannot target the format.
-        grid_parameters: Scales (and zero points) of `[G, g, N]` weight groups, by the
-            same rule as `quantize` (for per-channel formats G = 1 and g = K).
-        from_levels: The `QuantizedWeight` of `[K, N]` integer levels and their
-            `[G, N]` scales (and zeros).
+        grid_parameters: Scales (and zero points) of `[C, group_size, O]` weight groups, by the
+            same rule as `quantize` (for per-channel formats C = 1 and group_size = I).
+        from_levels: The `QuantizedWeight` of `[I, O]` integer levels and their
+            `[C, O]` scales (and zeros).
     """
 
     name: str
@@ -161,7 +162,7 @@ class WeightFormat:
                              f"group_size must be None, got {group_size}")
 
     def group_rows(self, k: int, group_size: int | None) -> int:
-        """Input rows sharing one scale: `group_size` for grouped formats, else all K."""
+        """Input rows sharing one scale: `group_size` for grouped formats, else all I."""
         return group_size if self.grouped else k
 
 
@@ -208,13 +209,13 @@ def _quantize_per_channel(name: str) -> Quantize:
     def quantize(w: jax.Array, bits: int, group_size: int | None,
                  symmetric: bool) -> QuantizedWeight:
         del bits, group_size, symmetric  # 8-bit, per channel, symmetric: checked before
-        values, scales = reference.quantize_int8_per_channel(w)  # [K, N], [N]
+        values, scales = reference.quantize_int8_per_channel(w)  # [I, O], [O]
         return QuantizedWeight(name, values, scales)
     return quantize
 
 
 def _dequantize_per_channel(weight: QuantizedWeight) -> jax.Array:
-    return reference.dequantize_int8_per_channel(weight.values, weight.scales)  # [K, N]
+    return reference.dequantize_int8_per_channel(weight.values, weight.scales)  # [I, O]
 
 
 def _int8_levels(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -225,9 +226,9 @@ def _int8_levels(bits: int, symmetric: bool) -> tuple[int, int]:
 def _int8_grid_parameters(groups: jax.Array, bits: int, symmetric: bool
                           ) -> tuple[jax.Array, None]:
     del bits, symmetric
-    groups = groups.astype(jnp.float32)  # [G, g, N]
+    groups = groups.astype(jnp.float32)  # [C, group_size, O]
     # The rule of `reference.quantize_int8_per_channel`, per group.
-    maximum = jnp.max(jnp.abs(groups), axis=1) / reference.INT8_MAX  # [G, N]
+    maximum = jnp.max(jnp.abs(groups), axis=1) / reference.INT8_MAX  # [C, O]
     return jnp.where(maximum > 0, maximum, 1.0), None
 
 
@@ -235,7 +236,7 @@ def _per_channel_from_levels(name: str) -> FromLevels:
     def from_levels(levels: jax.Array, scales: jax.Array, zeros: jax.Array | None,
                     group_size: int | None, bits: int) -> QuantizedWeight:
         del zeros, group_size, bits
-        return QuantizedWeight(name, levels.astype(jnp.int8), scales[0])  # [K, N], [N]
+        return QuantizedWeight(name, levels.astype(jnp.int8), scales[0])  # [I, O], [O]
     return from_levels
 
 
@@ -264,14 +265,14 @@ def _w8a8_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype, interpret) ->
 
 def _int4_quantize(w: jax.Array, bits: int, group_size: int | None,
                    symmetric: bool) -> QuantizedWeight:
-    packed, scales, zeros = reference.quantize_int4_grouped(w, group_size, symmetric=symmetric,
-                                                            bits=bits)
+    packed, scales, zeros = reference.quantize_int4_grouped(
+        w, group_size, symmetric=symmetric, bits=bits)  # [I // 2, O], [C, O], [C, O] or None
     return QuantizedWeight("int4", packed, scales, zeros, group_size, bits)
 
 
 def _int4_dequantize(weight: QuantizedWeight) -> jax.Array:
     return reference.dequantize_int4_grouped(weight.values, weight.scales, weight.zeros,
-                                             weight.group_size)  # [K, N]
+                                             weight.group_size)  # [I, O]
 
 
 def _int4_grid_parameters(groups: jax.Array, bits: int, symmetric: bool
@@ -281,7 +282,7 @@ def _int4_grid_parameters(groups: jax.Array, bits: int, symmetric: bool
 
 def _int4_from_levels(levels: jax.Array, scales: jax.Array, zeros: jax.Array | None,
                       group_size: int | None, bits: int) -> QuantizedWeight:
-    packed = reference.pack_int4(levels)  # [K // 2, N]
+    packed = reference.pack_int4(levels)  # [I // 2, O]
     return QuantizedWeight("int4", packed, scales, zeros, group_size, bits)
 
 

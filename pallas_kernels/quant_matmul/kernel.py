@@ -1,23 +1,23 @@
 """Pallas TPU kernels for weight-quantized matmuls: int8, grouped int4 and W8A8.
 
-Each kernel runs a `(M // block_m, N // block_n, K // block_k)` grid. The two output axes
-are independent ("parallel", so megacore chips may split them); the K axis is a reduction
-("arbitrary"): every K step adds one `[block_m, block_n]` partial product into a VMEM
+Each kernel runs a `(T' // block_m, O // block_n, I // block_k)` grid. The two output axes
+are independent ("parallel", so megacore chips may split them); the I axis is a reduction
+("arbitrary"): every step along I adds one `[block_m, block_n]` partial product into a VMEM
 scratch accumulator, zeroed on the first step and written to the output on the last, so
 the output block leaves VMEM once.
 
     int8   activations (f32/bf16) times int8 weights; the per-output-channel scale is
-           constant along K, so it multiplies the accumulator once at the end instead of
+           constant along I, so it multiplies the accumulator once at the end instead of
            every weight tile.
     int4   the packed weight tile is unpacked and dequantized (group-wise scales and
-           optional zero points) inside the kernel, one K step at a time.
+           optional zero points) inside the kernel, one block of I at a time.
     w8a8   activations are quantized per token in the wrapper (a token's scale needs its
-           whole row, which no single K block sees); int8 times int8 accumulates exactly
+           whole row, which no single block of I sees); int8 times int8 accumulates exactly
            in int32 and is rescaled on the last step.
 
 Float paths compute in float32 (bf16 activations are upcast in VMEM) so they agree with
-`reference.py` to float32 rounding. Ragged M is padded in the wrapper and sliced off the
-result; K and N must be multiples of their blocks (weights are laid out once, at load
+`reference.py` to float32 rounding. Ragged T is padded in the wrapper and sliced off the
+result; I and O must be multiples of their blocks (weights are laid out once, at load
 time, so a mismatch is a configuration error and raises ValueError).
 
 Every wrapper takes `interpret=`: False for the compiled kernel, or True /
@@ -49,7 +49,7 @@ def _resolve_blocks(
     blocks: tuple[int | None, int | None, int | None],
     group_size: int | None = None,
 ) -> tuple[int, int, int]:
-    """Fills unset block sizes from `tuning.py` and checks K and N against their blocks."""
+    """Fills unset block sizes from `tuning.py` and checks I and O against their blocks."""
     defaults = tuning.default_block_sizes(weight_format, m, k, n, group_size)
     block_m, block_n, block_k = (given or default for given, default in zip(blocks, defaults))
     if k % block_k:
@@ -89,10 +89,10 @@ def _int8_kernel(x_ref, weight_ref, scales_ref, out_ref, accumulator_ref):
     def _zero():
         accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
 
-    x = x_ref[...].astype(jnp.float32)  # [bm, bk]
-    weight = weight_ref[...].astype(jnp.float32)  # [bk, bn], exact: |int8| < 2**24
+    x = x_ref[...].astype(jnp.float32)  # [block_m, block_k]
+    weight = weight_ref[...].astype(jnp.float32)  # [block_k, block_n], exact: |int8| < 2**24
     accumulator_ref[...] += jnp.dot(x, weight, precision=_HIGHEST,
-                                    preferred_element_type=jnp.float32)  # [bm, bn]
+                                    preferred_element_type=jnp.float32)  # [block_m, block_n]
 
     @pl.when(k_step == pl.num_programs(2) - 1)
     def _write():
@@ -114,24 +114,24 @@ def int8_matmul(
     """`x @ (values * scales)` with int8 weights and per-output-channel scales.
 
     Args:
-        x: `[M, K]` float32 or bfloat16 activations.
-        values: `[K, N]` int8 weights.
-        scales: `[N]` float32 per-output-channel scales.
+        x: `[T, I]` float32 or bfloat16 activations.
+        values: `[I, O]` int8 weights.
+        scales: `[O]` float32 per-output-channel scales.
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
         out_dtype: Result dtype; defaults to the dtype of `x`.
         interpret: `pallas_call`'s interpret argument.
 
     Returns:
-        `[M, N]`.
+        `[T, O]`.
 
     Raises:
-        ValueError: Mismatched shapes, or K / N not multiples of block_k / block_n.
+        ValueError: Mismatched shapes, or I / O not multiples of block_k / block_n.
     """
     k, n = values.shape
     _check_inner_dimension("int8", x, k, n)
     m = x.shape[0]
     block_m, block_n, block_k = _resolve_blocks("int8", m, k, n, (block_m, block_n, block_k))
-    x_padded = _pad_rows(x, block_m)  # [Mp, K]
+    x_padded = _pad_rows(x, block_m)  # [T', I]
     m_padded = x_padded.shape[0]
     out = pl.pallas_call(
         _int8_kernel,
@@ -147,8 +147,8 @@ def int8_matmul(
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
         name="int8_matmul",
-    )(x_padded, values, scales.astype(jnp.float32).reshape(1, n))  # [Mp, N]
-    return out[:m]  # [M, N]
+    )(x_padded, values, scales.astype(jnp.float32).reshape(1, n))  # [T', O]
+    return out[:m]  # [T, O]
 
 
 # --- packed int4 weights with group-wise scales -------------------------------------------
@@ -170,30 +170,30 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zero
     def _zero():
         accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
 
-    half_k, block_n = packed_ref.shape  # bk // 2, bn
-    groups = scales_ref.shape[0]  # bk // group_size
+    half_k, block_n = packed_ref.shape  # block_k // 2, block_n
+    groups = scales_ref.shape[0]  # block_k // group_size
     # Bit operations on int32: narrow integer vector ops lower poorly (or not at all) on
     # older TPU generations.
-    packed = packed_ref[...].astype(jnp.int32)  # [bk / 2, bn]
-    scales = scales_ref[...]  # [groups, bn]
-    zeros = zeros_ref[...].astype(jnp.float32) if has_zeros else None  # [groups, bn]
+    packed = packed_ref[...].astype(jnp.int32)  # [half_k, block_n]
+    scales = scales_ref[...]  # [groups, block_n]
+    zeros = zeros_ref[...].astype(jnp.float32) if has_zeros else None  # [groups, block_n]
 
     def dequantize(nibbles: jax.Array) -> jax.Array:
         # Row r of one nibble half is original row 2r (or 2r + 1) of the block, so each
         # group of `group_size` original rows is `group_size / 2` consecutive rows here.
-        values = _sign_extend_nibble(nibbles).astype(jnp.float32)  # [bk / 2, bn]
-        values = values.reshape(groups, group_size // 2, block_n)  # [groups, g / 2, bn]
+        values = _sign_extend_nibble(nibbles).astype(jnp.float32)  # [half_k, block_n]
+        values = values.reshape(groups, group_size // 2, block_n)  # [groups, group_size/2, block_n]
         if has_zeros:
             values = values - zeros[:, None, :]
-        return (values * scales[:, None, :]).reshape(half_k, block_n)  # [bk / 2, bn]
+        return (values * scales[:, None, :]).reshape(half_k, block_n)  # [half_k, block_n]
 
-    low = dequantize(packed & 0xF)  # [bk / 2, bn] even rows of the block
-    high = dequantize(packed >> 4)  # [bk / 2, bn] odd rows of the block
-    # The wrapper reordered each K block of x to [even columns, odd columns], so the two
+    low = dequantize(packed & 0xF)  # [half_k, block_n] even rows of the block
+    high = dequantize(packed >> 4)  # [half_k, block_n] odd rows of the block
+    # The wrapper reordered each block_k block of x to [even columns, odd columns], so the two
     # halves of the x tile line up with the two nibbles and no interleave is needed here.
-    x = x_ref[...].astype(jnp.float32)  # [bm, bk]
+    x = x_ref[...].astype(jnp.float32)  # [block_m, block_k]
     partial = jnp.dot(x[:, :half_k], low, precision=_HIGHEST,
-                      preferred_element_type=jnp.float32)  # [bm, bn]
+                      preferred_element_type=jnp.float32)  # [block_m, block_n]
     partial += jnp.dot(x[:, half_k:], high, precision=_HIGHEST,
                        preferred_element_type=jnp.float32)
     accumulator_ref[...] += partial
@@ -204,14 +204,14 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zero
 
 
 def _split_even_odd_columns(x: jax.Array, block_k: int) -> jax.Array:
-    """Within each K block of `[M, K]` x, puts the even columns first, then the odd ones.
+    """Within each block_k block of `[T, I]` x, puts the even columns first, then the odd ones.
 
     This costs one pass over the activations (small next to the weights in decode) and
     saves the kernel an interleave of the unpacked nibbles along sublanes.
     """
     m, k = x.shape
-    blocks = x.reshape(m, k // block_k, block_k // 2, 2)  # [M, K / bk, bk / 2, 2]
-    return blocks.swapaxes(2, 3).reshape(m, k)  # [M, K]
+    blocks = x.reshape(m, k // block_k, block_k // 2, 2)  # [T, I / block_k, block_k / 2, 2]
+    return blocks.swapaxes(2, 3).reshape(m, k)  # [T, I]
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "group_size"))
@@ -231,20 +231,20 @@ def int4_matmul(
     """`x @ dequantize(packed, scales, zeros)` with packed int4 weights.
 
     Args:
-        x: `[M, K]` float32 or bfloat16 activations.
-        packed: `[K // 2, N]` uint8, two int4 values per byte, low nibble = even row.
-        scales: `[K // group_size, N]` float32.
-        zeros: `[K // group_size, N]` int8 zero points, or None for symmetric weights.
-        group_size: Rows of K per scale group; block_k must be a multiple of it.
+        x: `[T, I]` float32 or bfloat16 activations.
+        packed: `[I // 2, O]` uint8, two int4 values per byte, low nibble = even row.
+        scales: `[C, O]` float32.
+        zeros: `[C, O]` int8 zero points, or None for symmetric weights.
+        group_size: Rows of I per scale group; block_k must be a multiple of it.
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
         out_dtype: Result dtype; defaults to the dtype of `x`.
         interpret: `pallas_call`'s interpret argument.
 
     Returns:
-        `[M, N]`.
+        `[T, O]`.
 
     Raises:
-        ValueError: Mismatched shapes; K not a multiple of group_size; K / N not multiples
+        ValueError: Mismatched shapes; I not a multiple of group_size; I / O not multiples
             of block_k / block_n; block_k not a multiple of group_size.
     """
     half_k, n = packed.shape
@@ -265,9 +265,9 @@ def int4_matmul(
         raise ValueError(f"int4 matmul: block_k={block_k} is not a multiple of "
                          f"group_size={group_size}")
     groups = block_k // group_size
-    x_padded = _split_even_odd_columns(_pad_rows(x, block_m), block_k)  # [Mp, K]
+    x_padded = _split_even_odd_columns(_pad_rows(x, block_m), block_k)  # [T', I]
     m_padded = x_padded.shape[0]
-    # [K / bk, groups, N]: a K block's groups become a whole (full-size) second-minor
+    # [I / block_k, groups, O]: a block_k block's groups become a whole (full-size) second-minor
     # dimension, a legal block shape even when `groups` is 1 or 2, below the sublane tile.
     group_spec = pl.BlockSpec((pl.Squeezed(), groups, block_n), lambda i, j, kk: (kk, 0, j))
     operands = [x_padded, packed, scales.astype(jnp.float32).reshape(k // block_k, groups, n)]
@@ -291,8 +291,8 @@ def int4_matmul(
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
         name="int4_matmul",
-    )(*operands)  # [Mp, N]
-    return out[:m]  # [M, N]
+    )(*operands)  # [T', O]
+    return out[:m]  # [T, O]
 
 
 # --- W8A8: int8 activations (quantized per token) times int8 weights -------------------------
@@ -307,11 +307,11 @@ def _w8a8_kernel(x_ref, x_scales_ref, weight_ref, weight_scales_ref, out_ref, ac
         accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
 
     accumulator_ref[...] += jax.lax.dot(x_ref[...], weight_ref[...],
-                                        preferred_element_type=jnp.int32)  # [bm, bn]
+                                        preferred_element_type=jnp.int32)  # [block_m, block_n]
 
     @pl.when(k_step == pl.num_programs(2) - 1)
     def _write():
-        accumulator = accumulator_ref[...]  # [bm, bn] int32
+        accumulator = accumulator_ref[...]  # [block_m, block_n] int32
         if rescale:
             # Same operations, same order as `reference.w8a8_rescale`.
             result = (accumulator.astype(jnp.float32) * x_scales_ref[...]) * weight_scales_ref[...]
@@ -335,9 +335,9 @@ def _w8a8_call(
     _check_inner_dimension("w8a8", x_values, k, n)
     m = x_values.shape[0]
     block_m, block_n, block_k = _resolve_blocks("w8a8", m, k, n, blocks)
-    x_padded = _pad_rows(x_values, block_m)  # [Mp, K] int8
+    x_padded = _pad_rows(x_values, block_m)  # [T', I] int8
     x_scales_padded = _pad_rows(x_scales.astype(jnp.float32).reshape(m, 1), block_m,
-                                1.0)  # [Mp, 1]
+                                1.0)  # [T', 1]
     m_padded = x_padded.shape[0]
     out = pl.pallas_call(
         functools.partial(_w8a8_kernel, rescale=rescale),
@@ -355,8 +355,8 @@ def _w8a8_call(
         interpret=interpret,
         name="w8a8_matmul" if rescale else "w8a8_int32_product",
     )(x_padded, x_scales_padded, weight_values,
-      weight_scales.astype(jnp.float32).reshape(1, n))  # [Mp, N]
-    return out[:m]  # [M, N]
+      weight_scales.astype(jnp.float32).reshape(1, n))  # [T', O]
+    return out[:m]  # [T, O]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -374,20 +374,20 @@ def w8a8_matmul(
     """Quantizes `x` per token to int8, multiplies in int32 in the kernel, then rescales.
 
     Args:
-        x: `[M, K]` float32 or bfloat16 activations.
-        values: `[K, N]` int8 weights.
-        scales: `[N]` float32 per-output-channel weight scales.
+        x: `[T, I]` float32 or bfloat16 activations.
+        values: `[I, O]` int8 weights.
+        scales: `[O]` float32 per-output-channel weight scales.
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
         out_dtype: Result dtype; defaults to the dtype of `x`.
         interpret: `pallas_call`'s interpret argument.
 
     Returns:
-        `[M, N]`.
+        `[T, O]`.
 
     Raises:
-        ValueError: Mismatched shapes, or K / N not multiples of block_k / block_n.
+        ValueError: Mismatched shapes, or I / O not multiples of block_k / block_n.
     """
-    x_values, x_scales = reference.quantize_per_token_int8(x)  # [M, K] int8, [M]
+    x_values, x_scales = reference.quantize_per_token_int8(x)  # [T, I] int8, [T]
     return _w8a8_call(x_values, x_scales, values, scales,
                       blocks=(block_m, block_n, block_k), out_dtype=out_dtype or x.dtype,
                       rescale=True, interpret=interpret)
@@ -406,17 +406,17 @@ def w8a8_int32_product(
     """The W8A8 kernel's int32 accumulator, before rescaling (for exact tests).
 
     Args:
-        x_values: `[M, K]` int8 activations.
-        weight_values: `[K, N]` int8 weights.
+        x_values: `[T, I]` int8 activations.
+        weight_values: `[I, O]` int8 weights.
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
         interpret: `pallas_call`'s interpret argument.
 
     Returns:
-        `[M, N]` int32.
+        `[T, O]` int32.
     """
     m, n = x_values.shape[0], weight_values.shape[1]
-    ones_m = jnp.ones((m,), jnp.float32)  # [M] unused: the kernel skips the rescale
-    ones_n = jnp.ones((n,), jnp.float32)  # [N]
+    ones_m = jnp.ones((m,), jnp.float32)  # [T] unused: the kernel skips the rescale
+    ones_n = jnp.ones((n,), jnp.float32)  # [O]
     return _w8a8_call(x_values, ones_m, weight_values, ones_n,
                       blocks=(block_m, block_n, block_k), out_dtype=jnp.int32,
                       rescale=False, interpret=interpret)

@@ -28,7 +28,7 @@ GENERIC_BLOCK_SIZES = (128, 256, 512)
 # Rows of a block are a multiple of the sublane tile: 8 for 32-bit, 16 for bfloat16 and
 # 32 for int8. 32 satisfies all three, which matters for W8A8 with int8 activations.
 ROW_MULTIPLE = 32
-# Columns (and K, which is a column dimension of x) are a multiple of the 128-lane tile.
+# Columns (and I, which is a column dimension of x) are a multiple of the 128-lane tile.
 LANE_MULTIPLE = 128
 
 
