@@ -213,7 +213,7 @@ class SpeculativeConfig:
 
     Attributes:
         method: "ngram" (prompt lookup) or "draft_model".
-        num_tokens: k, the most draft tokens verified per request and step.
+        num_tokens: R, the most draft tokens verified per request and step.
         max_ngram: Longest suffix prompt lookup tries to match.
         min_ngram: Shortest suffix it tries before giving up (no drafts that step).
         model: The drafter for "draft_model" (anything `load_model` takes, e.g.

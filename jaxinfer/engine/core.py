@@ -21,8 +21,8 @@ Requests enter through `InputProcessor` (every check, n > 1 fan-out), which rais
 `RequestError` naming the field before anything is queued. The scheduler never touches device
 arrays and the runner never makes scheduling decisions.
 
-Speculative decoding (`speculative={"method": "ngram", "num_tokens": k, "max_ngram": n}` or
-`{"method": "draft_model", "model": ..., "num_tokens": k}`): a request speculates unless it
+Speculative decoding (`speculative={"method": "ngram", "num_tokens": R, "max_ngram": n}` or
+`{"method": "draft_model", "model": ..., "num_tokens": R}`): a request speculates unless it
 opts out (`speculative=False`) or asks for something that changes per position or needs
 per-token results (logprobs, prompt logprobs, penalties); it drafts nothing while min_tokens
 still holds stop tokens back. Speculating and plain requests share every batch. A seeded

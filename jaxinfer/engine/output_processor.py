@@ -39,7 +39,11 @@ from jaxinfer.tokenizer import Tokenizer
 
 def logprob_dict(token_id: int, logprob: float, top_ids: np.ndarray,
                  top_values: np.ndarray) -> dict[int, float]:
-    """{chosen token: logprob, then the top alternatives}, as vLLM reports one position."""
+    """{chosen token: logprob, then the top alternatives}, as vLLM reports one position.
+
+    `top_ids` and `top_values` are one position's `[M]` top logprobs, or their first entries
+    (as many as the request asked for).
+    """
     entry = {int(token_id): logprob}
     for top_id, value in zip(top_ids.tolist(), top_values.tolist(), strict=True):
         entry.setdefault(int(top_id), float(value))

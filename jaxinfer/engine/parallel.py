@@ -3,15 +3,15 @@
 vLLM's three knobs, with the same names (`tensor_parallel_size`, `data_parallel_size`,
 `expert_parallel_size`) on `LLM(...)`, `EngineConfig` and `jaxinfer serve`:
 
-- Tensor parallel (TP = N): one model split over a mesh axis 'model' of N devices: attention
+- Tensor parallel (TP): one model split over a mesh axis 'model' of TP devices: attention
   heads, MLP width and vocabulary (the `tensor_parallel` layout of `jaxinfer.sharding`); the
   KV page pool is split on KV heads, so each device keeps the pages of its own heads and
   attention runs per device without communication; logits are gathered once per step.
-- Expert parallel (EP = E, Mixtral): the experts split over a mesh axis 'expert' of E devices;
+- Expert parallel (EP, Mixtral): the experts split over a mesh axis 'expert' of EP devices;
   each device runs its experts on the tokens routed to them, and one all-reduce adds the
   results (`jaxinfer.models.moe.MoEBlock`). The mesh of a replica is then ('expert', 'model')
-  with E x N devices, attention split over 'model' and replicated over 'expert'.
-- Data parallel (DP = R): R independent replicas, each with its own TP x EP sub-mesh, page
+  with EP x TP devices, attention split over 'model' and replicated over 'expert'.
+- Data parallel (DP): DP independent replicas, each with its own TP x EP sub-mesh, page
   pool, scheduler and jitted step (`jaxinfer.engine.data_parallel`). Requests go to the
   least-loaded replica. We chose replicas over one batch sharded over a 'data' axis because a
   ragged continuous batch does not split evenly: a sharded batch would pad every shard to the

@@ -3,26 +3,26 @@
 Each step receives, from the scheduler, the new tokens of every scheduled request (a prefill
 chunk or one decode token), where they sit (start position, block table) and whether a token
 must be sampled after them (`jaxinfer.engine.host.scheduler.ScheduledRequest`). The runner packs
-them into one `[1, T]` row (T rounded up to a token bucket, S requests rounded up to a
-sequence bucket, every block table padded to `pages_per_sequence` with the null page 0),
+them into one `[1, T]` row (T rounded up to a token bucket, Q, the request count, rounded up to
+a sequence bucket, every block table padded to `pages_per_sequence` with the null page 0),
 runs the model over the paged cache (donated, so it is updated in place), and samples one
 token per request from the logits of its last token, on device, with per-request
 parameters and per-request PRNG keys.
 
-The host side and the device side meet in two typed tuples (`jaxinfer.engine.device.step_io`,
-which also holds the shape legend used here): `prepare` packs the scheduled requests into
+The host side and the device side meet in two typed tuples (`jaxinfer.engine.device.step_io`;
+shape letters as in `jaxinfer/typing.py`): `prepare` packs the scheduled requests into
 `StepInputs`, `run` runs the jitted step on them and returns `StepOutputs`, and `execute` does
 both and unpacks the results per request for the engine. A multi-host leader's runner sends
 each step's kind and `StepInputs` to the followers before running it; they call `run`.
 
 Speculative decoding (`num_speculative_tokens` = R > 0): a request's step may end with up to R
 draft tokens (`ScheduledRequest.spec_token_ids`). The step then also takes the logits at its
-last known token and at each draft (`[S, R + 1, V]`, one lm-head pass over S * (R + 1) gathered
+last known token and at each draft (`[Q, R + 1, V]`, one lm-head pass over Q * (R + 1) gathered
 rows, skipped when no request has drafts) and verifies the drafts on device with exact
-speculative sampling (`jaxinfer.engine.spec.verify.verify`); drafts are `[S, R]` arrays with a
+speculative sampling (`jaxinfer.engine.spec.verify.verify`); drafts are `[Q, R]` arrays with a
 per-row count, so the step's shapes, and its compiled programs, stay those of its buckets.
 
-Shapes depend only on the two bucket sizes, so `warm_up` compiles every (T, S) pair once and
+Shapes depend only on the two bucket sizes, so `warm_up` compiles every (T, Q) pair once and
 the engine never compiles again; `compilations` counts the cache entries to prove it.
 """
 
@@ -170,9 +170,11 @@ class PromptLogprobs:
     Attributes:
         first_position: Prompt position of the first token described (>= 1: the first prompt
             token has nothing before it to predict it).
-        logprobs: `[C]` each token's log-probability given the tokens before it (raw logits).
-        top_token_ids: `[C, M]` the M most likely tokens at each of those positions.
-        top_logprobs: `[C, M]` their log-probabilities.
+        logprobs: `[num_positions]` each token's log-probability given the tokens before it
+            (raw logits), for the chunk's `num_positions` prompt positions from
+            `first_position` on.
+        top_token_ids: `[num_positions, M]` the M most likely tokens at each of those positions.
+        top_logprobs: `[num_positions, M]` their log-probabilities.
     """
 
     first_position: int
@@ -264,7 +266,7 @@ class ModelRunner:
     def _allocate_pages(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
         """The zeroed page pool (and int8 scales), created directly on their shards."""
         config = self.config
-        empty = PagedBatch(*(jnp.zeros((1,), jnp.int32) for _ in range(5)))
+        empty = PagedBatch(*(jnp.zeros((1,), jnp.int32) for _ in range(5)))  # [1] each
 
         def create() -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
             cache = PagedKVCache.create(self.model_config, config.num_pages, config.page_size,
@@ -290,45 +292,45 @@ class ModelRunner:
                      ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None,
                                 StepOutputs]:
         model = nnx.merge(self.graphdef, state)
-        last_token_index, sampling = inputs.last_token_index, inputs.sampling  # [S]
+        last_token_index, sampling = inputs.last_token_index, inputs.sampling  # [Q]
         hidden, cache = model.hidden_states(
             inputs.token_ids[None], inputs.positions[None],
             PagedKVCache(pages, inputs.batch, scales))  # [1, T, D]
         prompt: dict[str, jax.Array] = {}
         if with_prompt_logprobs:
             all_logits = model.logits(hidden)[0]  # [T, V]
-            logits = all_logits[last_token_index]  # [S, V]
+            logits = all_logits[last_token_index]  # [Q, V]
             prompt["prompt_logprobs"] = prompt_logprobs(all_logits,
                                                         inputs.next_token_ids)  # [T]
             ids, values = prompt_top_logprobs(all_logits, self.config.max_logprobs)  # [T, M]
             prompt["prompt_top_ids"], prompt["prompt_top_logprobs"] = ids, values
         else:
-            last_hidden = hidden[0, last_token_index][None]  # [1, S, D]
-            logits = model.logits(last_hidden)[0]  # [S, V]
+            last_hidden = hidden[0, last_token_index][None]  # [1, Q, D]
+            logits = model.logits(last_hidden)[0]  # [Q, V]
         if self._replicated is not None:
             # The LM head leaves logits split over the vocabulary; gather them once here,
             # so sampling's sorts and top-k run on whole rows.
-            logits = jax.lax.with_sharding_constraint(logits, self._replicated)  # [S, V]
+            logits = jax.lax.with_sharding_constraint(logits, self._replicated)  # [Q, V]
         # The key depends only on the request's seed and how many tokens it has sampled, so a
         # seeded request draws the same tokens whatever else is in the batch, and after a
         # preemption it redraws exactly what it drew before.
         keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
-            inputs.seeds, inputs.output_index)  # [S]
+            inputs.seeds, inputs.output_index)  # [Q]
 
         def with_top(num_logprobs: int):
             return lambda: sample_tokens(logits, keys, sampling, num_logprobs)
 
-        # The top-M pass over [S, V] runs only in steps where some request wants logprobs.
+        # The top-M pass over [Q, V] runs only in steps where some request wants logprobs.
         tokens, chosen, top_ids, top_values = jax.lax.cond(
             jnp.any(inputs.want_logprobs), with_top(self.config.max_logprobs),
-            lambda: _without_top(with_top(0)(), self.config.max_logprobs))  # [S], [S, M]
+            lambda: _without_top(with_top(0)(), self.config.max_logprobs))  # [Q], [Q, M]
         probabilities = None
         if self.config.return_probabilities:
             # Greedy drafts are verified by argmax alone, so an all-greedy batch skips the
-            # [S, V] sorts of top-k/top-p.
+            # [Q, V] sorts of top-k/top-p.
             probabilities = jax.lax.cond(
                 jnp.all(greedy_rows(sampling)), lambda: jnp.zeros(logits.shape, jnp.float32),
-                lambda: sampling_probabilities(logits, sampling))  # [S, V]
+                lambda: sampling_probabilities(logits, sampling))  # [Q, V]
         verification = None
         if self.config.num_speculative_tokens:
             verification = self._verify(model, hidden, last_token_index, sampling, keys,
@@ -337,8 +339,8 @@ class ModelRunner:
         outputs = StepOutputs(
             tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_values,
             probabilities=probabilities, **prompt,
-            spec_tokens=None if verification is None else verification.token_ids,  # [S, R + 1]
-            num_accepted=None if verification is None else verification.num_accepted)  # [S]
+            spec_tokens=None if verification is None else verification.token_ids,  # [Q, R + 1]
+            num_accepted=None if verification is None else verification.num_accepted)  # [Q]
         return cache.layers, cache.scales, outputs
 
     def _verify(self, model: Transformer, hidden: jax.Array, last_token_index: jax.Array,
@@ -350,20 +352,20 @@ class ModelRunner:
         # Row s's drafts are its last num_draft_tokens fed tokens; position j of the window
         # predicts the token after draft j (j = 0: after the last known token). Positions past
         # a row's drafts repeat its last token, and verify ignores them.
-        first = last_token_index - num_draft_tokens  # [S]
+        first = last_token_index - num_draft_tokens  # [Q]
         window = jnp.minimum(first[:, None] + jnp.arange(positions)[None, :],
-                             last_token_index[:, None])  # [S, R + 1]
-        window = jnp.maximum(window, 0)  # [S, R + 1]; padding rows point at token 0
+                             last_token_index[:, None])  # [Q, R + 1]
+        window = jnp.maximum(window, 0)  # [Q, R + 1]; padding rows point at token 0
 
         def scored() -> Verification:
-            rows = hidden[0, window.reshape(-1)][None]  # [1, S * (R + 1), D]
-            logits = model.logits(rows)[0].reshape(num_seqs, positions, -1)  # [S, R + 1, V]
+            rows = hidden[0, window.reshape(-1)][None]  # [1, Q * (R + 1), D]
+            logits = model.logits(rows)[0].reshape(num_seqs, positions, -1)  # [Q, R + 1, V]
             return verify(logits, draft_token_ids, draft_probs, num_draft_tokens, sampling,
                           keys)
 
         def nothing() -> Verification:
-            return Verification(jnp.zeros((num_seqs, positions), jnp.int32),
-                                jnp.zeros((num_seqs,), jnp.int32))
+            return Verification(jnp.zeros((num_seqs, positions), jnp.int32),  # [Q, R + 1]
+                                jnp.zeros((num_seqs,), jnp.int32))  # [Q]
 
         # Steps without drafts (prefills, non-speculating batches) skip the extra lm-head.
         return jax.lax.cond(jnp.any(num_draft_tokens > 0), scored, nothing)
@@ -398,7 +400,7 @@ class ModelRunner:
         return bucket_for(num_tokens, self.config.token_buckets)
 
     def sequence_bucket(self, num_seqs: int) -> int:
-        """The padded sequence count S of a step over `num_seqs` sequences."""
+        """The padded sequence count Q of a step over `num_seqs` sequences."""
         return bucket_for(num_seqs, self.config.sequence_buckets)
 
     def step_kind(self, sequences: Sequence[ScheduledRequest]) -> str:
@@ -423,23 +425,25 @@ class ModelRunner:
         positions = np.zeros(num_tokens, np.int32)  # [T]
         slots = np.full(num_tokens, -1, np.int32)  # [T]; -1: padding writes nothing
         next_token_ids = np.zeros(num_tokens, np.int32)  # [T]; for prompt logprobs
-        kv_lens = np.zeros(num_seqs, np.int32)  # [S]
-        page_indices = np.zeros((num_seqs, config.pages_per_sequence), np.int32)  # [S, P]
-        cu_q_lens = np.zeros(num_seqs + 1, np.int32)  # [S + 1]
-        last = np.zeros(num_seqs, np.int32)  # [S]
-        seeds = np.zeros(num_seqs, np.uint32)  # [S]
-        output_index = np.zeros(num_seqs, np.int32)  # [S]
-        want_logprobs = np.zeros(num_seqs, np.bool_)  # [S]
+        kv_lens = np.zeros(num_seqs, np.int32)  # [Q]
+        page_indices = np.zeros((num_seqs, config.pages_per_sequence),
+                                np.int32)  # [Q, pages_per_sequence]
+        cu_q_lens = np.zeros(num_seqs + 1, np.int32)  # [Q + 1]
+        last = np.zeros(num_seqs, np.int32)  # [Q]
+        seeds = np.zeros(num_seqs, np.uint32)  # [Q]
+        output_index = np.zeros(num_seqs, np.int32)  # [Q]
+        want_logprobs = np.zeros(num_seqs, np.bool_)  # [Q]
         num_drafts = config.num_speculative_tokens
-        draft_token_ids = np.zeros((num_seqs, num_drafts), np.int32)  # [S, R]
-        num_draft_tokens = np.zeros(num_seqs, np.int32)  # [S]
+        draft_token_ids = np.zeros((num_seqs, num_drafts), np.int32)  # [Q, R]
+        num_draft_tokens = np.zeros(num_seqs, np.int32)  # [Q]
         draft_probs = (np.zeros((num_seqs, num_drafts, self.model_config.vocab_size),
-                                np.float32) if config.draft_distributions else None)  # [S, R, V]
+                                np.float32) if config.draft_distributions else None)  # [Q, R, V]
         offset = 0
         for s, sequence in enumerate(sequences):
             count = len(sequence.token_ids)
-            table = np.asarray(sequence.block_table, np.int32)
-            span = np.arange(sequence.start_position, sequence.start_position + count)
+            table = np.asarray(sequence.block_table, np.int32)  # [len(table)]
+            span = np.arange(sequence.start_position,
+                             sequence.start_position + count)  # [count]
             token_ids[offset:offset + count] = sequence.token_ids
             positions[offset:offset + count] = span
             slots[offset:offset + count] = (table[span // config.page_size] * config.page_size
@@ -473,7 +477,7 @@ class ModelRunner:
                     draft_probs[s, :len(drafts)] = sequence.spec_draft_probs
         cu_q_lens[len(sequences) + 1:] = offset
         batch = PagedBatch(slots, kv_lens, page_indices, cu_q_lens,
-                           np.asarray([len(sequences)], np.int32))
+                           np.asarray([len(sequences)], np.int32))  # num_seqs: [1]
         sampling = build_sampling_arrays(
             [sequence.sampling_params for sequence in sequences], self.model_config.vocab_size,
             prompt_token_ids=[sequence.prompt_token_ids for sequence in sequences],
@@ -613,9 +617,9 @@ def _wants_prompt_logprobs(sequence: ScheduledRequest) -> bool:
 
 
 def _without_top(sampled: tuple[jax.Array, ...], num_logprobs: int) -> tuple[jax.Array, ...]:
-    """`sample_tokens(..., 0)`'s result with zero-filled `[S, M]` top-logprob arrays, so both
+    """`sample_tokens(..., 0)`'s result with zero-filled `[Q, M]` top-logprob arrays, so both
     branches of the step's `lax.cond` have the same shapes."""
     tokens, chosen, _, _ = sampled
     rows = tokens.shape[0]
-    return (tokens, chosen, jnp.zeros((rows, num_logprobs), jnp.int32),
-            jnp.zeros((rows, num_logprobs), jnp.float32))
+    return (tokens, chosen, jnp.zeros((rows, num_logprobs), jnp.int32),  # [Q], [Q], [Q, M]
+            jnp.zeros((rows, num_logprobs), jnp.float32))  # [Q, M]

@@ -13,7 +13,7 @@ function here branches in Python on a value, only on static shapes and `num_logp
    rows divide by their temperature, apply min_p, then top-k and top-p (`jaxinfer.sampling`),
    and draw with their own key.
 
-Logprobs (the chosen token's and the top-K) are the log-softmax of the logits after steps 1-3,
+Logprobs (the chosen token's and the top-M) are the log-softmax of the logits after steps 1-3,
 i.e. of the processed distribution *before* temperature, min_p, top-k and top-p. This is a
 deliberate middle ground and differs from both of vLLM's usual modes: vLLM v1's default
 `raw_logprobs` is taken before any processing (so penalties and bias do not show), and its
@@ -229,7 +229,8 @@ def filter_for_sampling(processed: jax.Array, params: SamplingArrays) -> jax.Arr
     scaled = processed / temperature[:, None]  # [B, V]
     scaled = apply_min_p(scaled, params.min_p)  # [B, V]
     # Temperature is already applied; dividing by 1 again is exact.
-    return filter_logits(scaled, jnp.ones_like(temperature), params.top_k, params.top_p)
+    return filter_logits(scaled, jnp.ones_like(temperature), params.top_k,
+                         params.top_p)  # [B, V]
 
 
 # ---------------------------------------------------------------------- sampling and logprobs
@@ -239,18 +240,18 @@ def top_logprobs(logprobs: jax.Array, num_logprobs: int) -> tuple[jax.Array, jax
     """The `num_logprobs` largest entries of each row, most likely first.
 
     Args:
-        logprobs: `[R, V]` float32 log-probabilities.
-        num_logprobs: K, a static Python int >= 0.
+        logprobs: `[rows, V]` float32 log-probabilities.
+        num_logprobs: M, a static Python int >= 0.
 
     Returns:
-        `(ids [R, K] int32, values [R, K] float32)`; ties keep the lower token id first.
+        `(ids [rows, M] int32, values [rows, M] float32)`; ties keep the lower token id first.
     """
     rows = logprobs.shape[0]
     if num_logprobs == 0:
         # lax.top_k rejects k = 0; an empty result keeps the output structure fixed.
-        return jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
-    values, ids = jax.lax.top_k(logprobs, num_logprobs)  # [R, K], [R, K]
-    return ids.astype(jnp.int32), values
+        return jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)  # [rows, 0]
+    values, ids = jax.lax.top_k(logprobs, num_logprobs)  # [rows, M], [rows, M]
+    return ids.astype(jnp.int32), values  # [rows, M], [rows, M]
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingArrays,
@@ -263,12 +264,12 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingArrays,
         keys: `[B]` PRNG keys, one per row, so a seeded row draws the same token whatever else is
             in the batch. Greedy rows ignore theirs.
         params: The batch's settings (`SamplingArrays.neutral` for plain greedy).
-        num_logprobs: K, a static Python int: how many top logprobs to return per row (the
+        num_logprobs: M, a static Python int: how many top logprobs to return per row (the
             batch's largest request; rows that asked for fewer slice on the host).
 
     Returns:
-        `tokens [B] int32`, `logprobs [B] float32` of the chosen tokens, `top_logprob_ids [B, K]
-        int32` and `top_logprob_values [B, K] float32`. Logprobs are the log-softmax after
+        `tokens [B] int32`, `logprobs [B] float32` of the chosen tokens, `top_logprob_ids [B, M]
+        int32` and `top_logprob_values [B, M] float32`. Logprobs are the log-softmax after
         bias, penalties and min_tokens, before temperature and truncation (see the module
         docstring).
     """
@@ -285,8 +286,8 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingArrays,
     # An all-greedy batch (the common serving case) skips the [B, V] sort of top-k/top-p.
     tokens = jax.lax.cond(jnp.all(greedy), lambda: greedy_tokens, draw)  # [B]
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # [B]
-    top_ids, top_values = top_logprobs(logprobs, num_logprobs)  # [B, K], [B, K]
-    return tokens, chosen, top_ids, top_values
+    top_ids, top_values = top_logprobs(logprobs, num_logprobs)  # [B, M], [B, M]
+    return tokens, chosen, top_ids, top_values  # [B], [B], [B, M], [B, M]
 
 
 def prompt_logprobs(logits: jax.Array, next_tokens: jax.Array) -> jax.Array:
@@ -305,21 +306,22 @@ def prompt_logprobs(logits: jax.Array, next_tokens: jax.Array) -> jax.Array:
         `[T]` float32.
     """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [T, V]
-    return jnp.take_along_axis(logprobs, next_tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return jnp.take_along_axis(logprobs, next_tokens[:, None].astype(jnp.int32),
+                               axis=-1)[:, 0]  # [T]
 
 
 def prompt_top_logprobs(logits: jax.Array, num_logprobs: int) -> tuple[jax.Array, jax.Array]:
-    """The top-K alternatives at each prompt position (raw logits, like `prompt_logprobs`).
+    """The top-M alternatives at each prompt position (raw logits, like `prompt_logprobs`).
 
     Args:
         logits: `[T, V]` float logits.
-        num_logprobs: K, a static Python int >= 0.
+        num_logprobs: M, a static Python int >= 0.
 
     Returns:
-        `(ids [T, K] int32, values [T, K] float32)`, most likely first.
+        `(ids [T, M] int32, values [T, M] float32)`, most likely first.
     """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [T, V]
-    return top_logprobs(logprobs, num_logprobs)
+    return top_logprobs(logprobs, num_logprobs)  # [T, M], [T, M]
 
 
 # ---------------------------------------------------------------------- host-side builders

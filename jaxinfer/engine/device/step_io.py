@@ -10,13 +10,9 @@ pickle by name.
 Which program runs (the plain step or the one that also returns prompt logprobs) is a static
 choice made beside the inputs, not a field: it selects a different compiled program.
 
-Shape legend:
-    T: padded tokens of the step (a token bucket).
-    S: padded sequences of the step (a sequence bucket, <= max_num_seqs).
-    P: pages per sequence (the page-table width).
-    V: vocabulary size.
-    R: draft tokens per sequence the step can verify (`num_speculative_tokens`).
-    M: top logprobs per position (`max_logprobs`).
+Shapes use the project's one legend, `jaxinfer/typing.py`. Here T is the step's token bucket,
+Q its sequence bucket (<= max_num_seqs), R the runner's `num_speculative_tokens` and M its
+`max_logprobs`; a page table is `[Q, pages_per_sequence]` (the runner's page-table width).
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ STEP_KINDS = (STEP, PROMPT_STEP)
 
 
 class StepInputs(NamedTuple):
-    """One step's host inputs, padded to its (T, S) buckets.
+    """One step's host inputs, padded to its (T, Q) buckets.
 
     Padding tokens write no page slot (slot -1) and padding sequences have no tokens, so a
     step of padding only (warm-up) changes nothing.
@@ -43,16 +39,18 @@ class StepInputs(NamedTuple):
 
     token_ids: Array  # [T] int32, every sequence's fed tokens, back to back
     positions: Array  # [T] int32, each token's position in its sequence
-    batch: PagedBatch  # slots [T], kv_lens [S], page_indices [S, P], cu_q_lens [S + 1], [1]
-    last_token_index: Array  # [S] int32, index in T of each sequence's last fed token
-    sampling: SamplingArrays  # [S] / [S, V] per-sequence sampling settings
-    seeds: Array  # [S] uint32, each sequence's PRNG seed
-    output_index: Array  # [S] int32, tokens the sequence sampled before this step
-    want_logprobs: Array  # [S] bool, whether the sequence asked for top logprobs
+    # slot_mapping [T], kv_lens [Q], page_indices [Q, pages_per_sequence],
+    # cu_q_lens [Q + 1], num_seqs [1]
+    batch: PagedBatch
+    last_token_index: Array  # [Q] int32, index in T of each sequence's last fed token
+    sampling: SamplingArrays  # [Q] / [Q, V] per-sequence sampling settings
+    seeds: Array  # [Q] uint32, each sequence's PRNG seed
+    output_index: Array  # [Q] int32, tokens the sequence sampled before this step
+    want_logprobs: Array  # [Q] bool, whether the sequence asked for top logprobs
     next_token_ids: Array  # [T] int32, the prompt token after each fed one (prompt logprobs)
-    draft_token_ids: Array  # [S, R] int32, drafts to verify (the tail of the fed tokens)
-    num_draft_tokens: Array  # [S] int32, drafts per sequence, in [0, R]
-    draft_probs: Array | None = None  # [S, R, V] float32, the drafter's q; None: point masses
+    draft_token_ids: Array  # [Q, R] int32, drafts to verify (the tail of the fed tokens)
+    num_draft_tokens: Array  # [Q] int32, drafts per sequence, in [0, R]
+    draft_probs: Array | None = None  # [Q, R, V] float32, the drafter's q; None: point masses
 
 
 class StepOutputs(NamedTuple):
@@ -63,13 +61,13 @@ class StepOutputs(NamedTuple):
     fields without `num_speculative_tokens`.
     """
 
-    tokens: Array  # [S] int32, the token sampled after each sequence's last fed token
-    logprobs: Array  # [S] float32, its log-probability
-    top_ids: Array  # [S, M] int32, the most likely tokens (zeros if no row wants them)
-    top_logprobs: Array  # [S, M] float32, their log-probabilities
-    probabilities: Array | None = None  # [S, V] float32, the distribution sampled from
+    tokens: Array  # [Q] int32, the token sampled after each sequence's last fed token
+    logprobs: Array  # [Q] float32, its log-probability
+    top_ids: Array  # [Q, M] int32, the most likely tokens (zeros if no row wants them)
+    top_logprobs: Array  # [Q, M] float32, their log-probabilities
+    probabilities: Array | None = None  # [Q, V] float32, the distribution sampled from
     prompt_logprobs: Array | None = None  # [T] float32, log p(next prompt token | prefix)
     prompt_top_ids: Array | None = None  # [T, M] int32, the most likely tokens per position
     prompt_top_logprobs: Array | None = None  # [T, M] float32, their log-probabilities
-    spec_tokens: Array | None = None  # [S, R + 1] int32, accepted drafts then one more token
-    num_accepted: Array | None = None  # [S] int32, accepted drafts per sequence
+    spec_tokens: Array | None = None  # [Q, R + 1] int32, accepted drafts then one more token
+    num_accepted: Array | None = None  # [Q] int32, accepted drafts per sequence

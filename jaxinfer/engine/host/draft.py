@@ -5,7 +5,7 @@ scheduler takes them as `Scheduler.schedule(drafts)`, budgets them and feeds the
 which verifies them. `SpecStats` counts the outcome, per request and for the whole engine.
 Pure Python and numpy, like the rest of `jaxinfer.engine.host`.
 
-Shape legend: R draft tokens of one request, V vocabulary size.
+Shape letters as in `jaxinfer/typing.py` (R: draft tokens of a request, V: vocab).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class Request:
         self.num_cached_tokens = -1
         self.speculate = speculate
         self.spec_token_ids: list[int] = []
-        self.spec_draft_probs: Any = None
+        self.spec_draft_probs: Any = None  # [len(spec_token_ids), V] or None
         # Prompt and outputs in one list, kept in step with output_token_ids, so that slicing
         # the tokens to feed costs no concatenation per step.
         self._all_token_ids = list(self.prompt_token_ids)

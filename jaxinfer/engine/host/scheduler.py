@@ -16,8 +16,8 @@ Speculative decoding: `schedule(drafts)` takes the step's drafts (a `Draft` per 
 from the engine's proposer) and records them on its running requests
 (`Request.spec_token_ids`); a running request whose known tokens all fit in the step also gets
 its drafts, as far as the budget, its
-`max_tokens` and `max_model_len` allow, so the target scores the last known token plus k drafts
-in the same ragged step (k + 1 tokens of the budget). `update_from_output` then takes the
+`max_tokens` and `max_model_len` allow, so the target scores the last known token plus R drafts
+in the same ragged step (R + 1 tokens of the budget). `update_from_output` then takes the
 accepted drafts plus one token, and rolls the request back by length: `num_computed_tokens`
 drops by the rejected drafts, whose pages are freed (no page is copied; the garbage they hold
 past the computed length is overwritten later), before full blocks are cached, so a rejected
@@ -79,7 +79,7 @@ class ScheduledRequest:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
-    spec_draft_probs: Any = None
+    spec_draft_probs: Any = None  # [len(spec_token_ids), V] or None
 
     @property
     def start_position(self) -> int:
@@ -418,7 +418,7 @@ class Scheduler:
     def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
         """The request's drafts that fit the step's remaining budget and its length limits.
 
-        All k drafts accepted emit k + 1 tokens, which must stay within `max_tokens` and
+        All R drafts accepted emit R + 1 tokens, which must stay within `max_tokens` and
         `max_model_len` (so every fed position also has a page-table slot).
         """
         room = min(budget, request.max_tokens - request.num_output_tokens - 1,

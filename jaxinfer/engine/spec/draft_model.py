@@ -1,4 +1,4 @@
-"""The draft-model proposer: a small model with its own paged KV cache drafts k tokens a step.
+"""The draft-model proposer: a small model with its own paged KV cache drafts R tokens a step.
 
 A `jaxinfer.engine.spec.proposer.Proposer`. The drafter is a second `ModelRunner` (its own
 page pool on device, its own compiled bucketed steps, returning each drawn token's
@@ -17,7 +17,7 @@ Each engine step, for the decoding requests, the drafter
    chunked by the token budget; afterwards the target's correction or bonus token);
 3. draws x_1 from the last position with the request's own sampling parameters (so q gets the
    same temperature/top-k/top-p transform as the target's p), then feeds x_j to draw x_{j+1}
-   for j = 1 .. k - 1 in one jitted call (`decode_loop`: k - 1 one-token steps over the
+   for j = 1 .. R - 1 in one jitted call (`decode_loop`: R - 1 one-token steps over the
    drafter's paged cache, slots computed on device from the page tables, batched over every
    drafting request and bucketed by sequence count), since a separate dispatch per draft
    would cost about as much as the target step it saves.
@@ -99,12 +99,12 @@ class DraftSequence:
 
 
 class DraftModelProposer:
-    """Proposes k drafts (and their distributions) per request with a small model.
+    """Proposes R drafts (and their distributions) per request with a small model.
 
     Args:
         model: The drafter; it must share the target's vocabulary.
         target_config: The target runner's config (pages, buckets, lengths are reused).
-        num_tokens: k (R in shape comments).
+        num_tokens: R, the drafts per request and step.
 
     Attributes:
         num_steps: Drafter device steps run so far (the draft cost, in steps).
@@ -153,7 +153,7 @@ class DraftModelProposer:
     def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
         """Drafts, with their `[R, V]` distributions, for the (decoding) requests.
 
-        A request gets fewer than k drafts near its `max_tokens` or `max_model_len`, and none
+        A request gets fewer than R drafts near its `max_tokens` or `max_model_len`, and none
         when the drafter's pool has no room for it this step.
         """
         started = time.perf_counter()
@@ -247,7 +247,7 @@ class DraftModelProposer:
         if not work:
             return {}
         num_seqs = self.runner.sequence_bucket(len(work))
-        tokens, probs = self._run_decode(work, num_seqs)
+        tokens, probs = self._run_decode(work, num_seqs)  # [Q, R - 1], [Q, R - 1, V]
         result = {}
         for row, (sequence, first, count) in enumerate(work):
             drawn = tokens[row, :count].tolist()
@@ -260,14 +260,15 @@ class DraftModelProposer:
 
     def _run_decode(self, work: list[tuple[DraftSequence, int, int]],
                     num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
-        """Packs the decode loop's `[S]` rows (padding rows write nothing) and runs it."""
+        """Packs the decode loop's `[Q]` rows (padding rows write nothing) and runs it."""
         config = self.config
-        first_tokens = np.zeros(num_seqs, np.int32)  # [S]
-        positions = np.zeros(num_seqs, np.int32)  # [S] position of x_1
-        counts = np.zeros(num_seqs, np.int32)  # [S] tokens to feed (x_1 .. x_count)
-        page_indices = np.zeros((num_seqs, config.pages_per_sequence), np.int32)  # [S, P/S]
-        seeds = np.zeros(num_seqs, np.uint32)  # [S]
-        draw_index = np.zeros(num_seqs, np.int32)  # [S]
+        first_tokens = np.zeros(num_seqs, np.int32)  # [Q]
+        positions = np.zeros(num_seqs, np.int32)  # [Q] position of x_1
+        counts = np.zeros(num_seqs, np.int32)  # [Q] tokens to feed (x_1 .. x_count)
+        page_indices = np.zeros((num_seqs, config.pages_per_sequence),
+                                np.int32)  # [Q, pages_per_sequence]
+        seeds = np.zeros(num_seqs, np.uint32)  # [Q]
+        draw_index = np.zeros(num_seqs, np.int32)  # [Q]
         params = []
         for row, (sequence, first, count) in enumerate(work):
             table = self.kv_cache_manager.get_block_table(sequence.request_id)
@@ -283,8 +284,8 @@ class DraftModelProposer:
             output_token_ids=[()] * len(work), batch_size=num_seqs)
         drawn = self.runner.run_on_cache(
             self._decode, first_tokens, positions, counts, page_indices,
-            np.asarray([len(work)], np.int32), sampling, seeds, draw_index)
-        return jax.device_get(drawn)
+            np.asarray([len(work)], np.int32), sampling, seeds, draw_index)  # num_seqs: [1]
+        return jax.device_get(drawn)  # [Q, R - 1], [Q, R - 1, V]
 
     def _decode_loop(self, state: nnx.State, pages: tuple[jax.Array, ...],
                      scales: tuple[jax.Array, ...] | None, first_tokens: jax.Array,
@@ -293,48 +294,48 @@ class DraftModelProposer:
                      seeds: jax.Array, draw_index: jax.Array
                      ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None,
                                 tuple[jax.Array, jax.Array]]:
-        """k - 1 one-token drafter steps on device: feed x_j at its position, draw x_{j+1}.
+        """R - 1 one-token drafter steps on device: feed x_j at its position, draw x_{j+1}.
 
         Rows past `counts` (or past `num_seqs`) keep computing but write no page slot, so
         every row has the same shapes and the loop compiles once per sequence bucket.
 
         Returns:
-            The updated pages and (int8 cache) scales, and (`[S, R - 1]` drawn tokens,
-            `[S, R - 1, V]` their distributions (zeros when every row is greedy)).
+            The updated pages and (int8 cache) scales, and (`[Q, R - 1]` drawn tokens,
+            `[Q, R - 1, V]` their distributions (zeros when every row is greedy)).
         """
         model = self.runner.merge(state)
         rows = first_tokens.shape[0]
         page_size = self.config.page_size
-        real = jnp.arange(rows) < num_seqs[0]  # [S]
-        cu_q_lens = jnp.minimum(jnp.arange(rows + 1), num_seqs[0]).astype(jnp.int32)  # [S+1]
-        token = first_tokens  # [S]
+        real = jnp.arange(rows) < num_seqs[0]  # [Q]
+        cu_q_lens = jnp.minimum(jnp.arange(rows + 1), num_seqs[0]).astype(jnp.int32)  # [Q + 1]
+        token = first_tokens  # [Q]
         drawn, distributions = [], []
         for step in range(self.num_tokens - 1):
-            position = positions + step  # [S]
-            writes = real & (step < counts)  # [S]
+            position = positions + step  # [Q]
+            writes = real & (step < counts)  # [Q]
             page = jnp.take_along_axis(
                 page_indices, jnp.minimum(position // page_size,
-                                          page_indices.shape[1] - 1)[:, None], axis=1)[:, 0]
-            slots = jnp.where(writes, page * page_size + position % page_size, -1)  # [S]
-            kv_lens = jnp.where(real, position + 1, 0).astype(jnp.int32)  # [S]
+                                          page_indices.shape[1] - 1)[:, None], axis=1)[:, 0]  # [Q]
+            slots = jnp.where(writes, page * page_size + position % page_size, -1)  # [Q]
+            kv_lens = jnp.where(real, position + 1, 0).astype(jnp.int32)  # [Q]
             batch = PagedBatch(slots.astype(jnp.int32), kv_lens, page_indices, cu_q_lens,
-                               num_seqs)
+                               num_seqs)  # [Q], [Q], [Q, pages_per_sequence], [Q + 1], [1]
             hidden, cache = model.hidden_states(token[None], position[None],
                                                 PagedKVCache(pages, batch,
-                                                             scales))  # [1, S, D]
+                                                             scales))  # [1, Q, D]
             pages, scales = cache.layers, cache.scales
-            logits = model.logits(hidden)[0]  # [S, V]
+            logits = model.logits(hidden)[0]  # [Q, V]
             keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed),
                                                                    index))(
-                seeds, draw_index + step)  # [S]
-            token = sample_tokens(logits, keys, sampling)[0]  # [S]
+                seeds, draw_index + step)  # [Q]
+            token = sample_tokens(logits, keys, sampling)[0]  # [Q]
             drawn.append(token)
             distributions.append(jax.lax.cond(
                 jnp.all(greedy_rows(sampling)),
                 functools.partial(jnp.zeros, logits.shape, jnp.float32),
-                functools.partial(sampling_probabilities, logits, sampling)))  # [S, V]
-        return pages, scales, (jnp.stack(drawn, axis=1),  # [S, R - 1]
-                               jnp.stack(distributions, axis=1))  # [S, R - 1, V]
+                functools.partial(sampling_probabilities, logits, sampling)))  # [Q, V]
+        return pages, scales, (jnp.stack(drawn, axis=1),  # [Q, R - 1]
+                               jnp.stack(distributions, axis=1))  # [Q, R - 1, V]
 
     def _describe(self, sequence: DraftSequence, chunk: list[int],
                   needs_sample: bool) -> ScheduledRequest:

@@ -6,7 +6,7 @@
 (the options are `jaxinfer.engine.config.SpeculativeConfig`).
 
 Prompt lookup (METHODS.md section 5) matches the last n tokens of a request (n = max_ngram
-down to min_ngram) against its earlier prompt and output tokens and proposes the k tokens that
+down to min_ngram) against its earlier prompt and output tokens and proposes the R tokens that
 followed the match. It costs no model pass and shines on input-grounded text (summaries,
 copies, code edits). The drafts are verified as a point-mass drafter, so sampling stays exact.
 """
@@ -32,20 +32,21 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, max_ngram: int,
 
     Args:
         token_ids: The request's prompt and outputs so far.
-        num_tokens: k, the most tokens to propose.
+        num_tokens: R, the most tokens to propose.
         max_ngram: Longest suffix to match.
         min_ngram: Shortest suffix to match.
 
     Returns:
-        Up to k tokens; empty when no suffix of length >= min_ngram occurs earlier.
+        Up to R tokens; empty when no suffix of length >= min_ngram occurs earlier.
     """
-    tokens = np.asarray(token_ids, np.int64)  # [L]
+    tokens = np.asarray(token_ids, np.int64)  # [len(token_ids)]
     length = len(tokens)
     for size in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = tokens[length - size:]  # [n]
+        suffix = tokens[length - size:]  # [size]
         # Windows starting at 0 .. length - size - 1: every earlier occurrence.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], size)  # [W, n]
-        matches = np.flatnonzero(np.all(windows == suffix, axis=1))  # [M]
+        windows = np.lib.stride_tricks.sliding_window_view(
+            tokens[:length - 1], size)  # [length - size, size]
+        matches = np.flatnonzero(np.all(windows == suffix, axis=1))  # [num_matches]
         if len(matches):
             start = int(matches[-1]) + size
             return tokens[start:start + num_tokens].tolist()

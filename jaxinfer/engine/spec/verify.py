@@ -1,10 +1,10 @@
-"""Exact speculative sampling on device: verify k drafted tokens against the target, batched.
+"""Exact speculative sampling on device: verify R drafted tokens against the target, batched.
 
-A drafter proposes `x_1 .. x_k` from distributions `q_1 .. q_k`; the target scores the prefix
-plus the drafts in one pass, giving `p_1 .. p_{k+1}` (METHODS.md section 5, arXiv 2211.17192
-and 2302.01318). For i = 1..k, `x_i` is accepted with probability `min(1, p_i(x_i) / q_i(x_i))`;
+A drafter proposes `x_1 .. x_R` from distributions `q_1 .. q_R`; the target scores the prefix
+plus the drafts in one pass, giving `p_1 .. p_{R+1}` (METHODS.md section 5, arXiv 2211.17192
+and 2302.01318). For i = 1..R, `x_i` is accepted with probability `min(1, p_i(x_i) / q_i(x_i))`;
 the first rejection emits a token from the residual `norm(max(0, p_i - q_i))` and stops; if all
-k are accepted one bonus token is drawn from `p_{k+1}`. The emitted tokens are then distributed
+R are accepted one bonus token is drawn from `p_{R+1}`. The emitted tokens are then distributed
 exactly as if each had been sampled from the target, one step at a time.
 
 Both p and q are taken after the same transform the engine's sampler applies
@@ -16,7 +16,7 @@ greedy request would emit at each step. Prompt-lookup (n-gram) drafts have no di
 they are a point-mass drafter, `q_i = one_hot(x_i)`, for which the rule becomes "accept with
 probability `p_i(x_i)`, on rejection draw from p_i with x_i removed".
 
-Every row has its own number of drafts (0 to K; rows with 0 just sample from `p_1`), its own
+Every row has its own number of drafts (0 to R; rows with 0 just sample from `p_1`), its own
 sampling parameters and its own key, so one compiled program serves any mix of requests.
 """
 
@@ -39,7 +39,7 @@ class Verification(NamedTuple):
     """What `verify` emits per row.
 
     Attributes:
-        token_ids: `[B, K + 1]` int32; the first `num_accepted + 1` are the row's new tokens
+        token_ids: `[B, R + 1]` int32; the first `num_accepted + 1` are the row's new tokens
             (its accepted drafts, then the correction or bonus token); the rest is padding.
         num_accepted: `[B]` int32, accepted drafts, in `[0, num_draft_tokens]`.
     """
@@ -65,28 +65,28 @@ def sampling_probabilities(logits: jax.Array, params: SamplingArrays) -> jax.Arr
     """The distribution a sampled row draws from: the sampler's transform, then softmax.
 
     Args:
-        logits: `[R, V]` raw logits.
-        params: `[R]`-row settings.
+        logits: `[rows, V]` raw logits.
+        params: `[rows]`-row settings.
 
     Returns:
-        `[R, V]` float32 probabilities (zero outside each row's kept set). Greedy rows get
+        `[rows, V]` float32 probabilities (zero outside each row's kept set). Greedy rows get
         their temperature-1 distribution, which callers ignore.
     """
-    filtered = filter_for_sampling(process_logits(logits, params), params)  # [R, V]
-    return jax.nn.softmax(filtered, axis=-1)  # [R, V]
+    filtered = filter_for_sampling(process_logits(logits, params), params)  # [rows, V]
+    return jax.nn.softmax(filtered, axis=-1)  # [rows, V]
 
 
 def point_mass(draft_token_ids: jax.Array, vocab_size: int) -> jax.Array:
     """`q_i = one_hot(x_i)`: the distributions of a drafter that proposes tokens for certain.
 
     Args:
-        draft_token_ids: `[B, K]` int32.
+        draft_token_ids: `[B, R]` int32.
         vocab_size: V.
 
     Returns:
-        `[B, K, V]` float32.
+        `[B, R, V]` float32.
     """
-    return jax.nn.one_hot(draft_token_ids, vocab_size, dtype=jnp.float32)  # [B, K, V]
+    return jax.nn.one_hot(draft_token_ids, vocab_size, dtype=jnp.float32)  # [B, R, V]
 
 
 def acceptance_mask(target_probs: jax.Array, draft_probs: jax.Array,
@@ -96,18 +96,18 @@ def acceptance_mask(target_probs: jax.Array, draft_probs: jax.Array,
     Compared as `u * q(x) < p(x)`, which needs no division (q(x) > 0 for a sampled draft).
 
     Args:
-        target_probs: `[B, K, V]` p_1..p_k.
-        draft_probs: `[B, K, V]` q_1..q_k.
-        draft_token_ids: `[B, K]` x_1..x_k.
-        uniforms: `[B, K]` float32 in [0, 1).
+        target_probs: `[B, R, V]` p_1..p_R.
+        draft_probs: `[B, R, V]` q_1..q_R.
+        draft_token_ids: `[B, R]` x_1..x_R.
+        uniforms: `[B, R]` float32 in [0, 1).
 
     Returns:
-        `[B, K]` bool, per draft independently (the caller stops at the first False).
+        `[B, R]` bool, per draft independently (the caller stops at the first False).
     """
-    index = draft_token_ids[..., None]  # [B, K, 1]
-    p_of_draft = jnp.take_along_axis(target_probs, index, axis=-1)[..., 0]  # [B, K]
-    q_of_draft = jnp.take_along_axis(draft_probs, index, axis=-1)[..., 0]  # [B, K]
-    return uniforms * q_of_draft < p_of_draft  # [B, K]
+    index = draft_token_ids[..., None]  # [B, R, 1]
+    p_of_draft = jnp.take_along_axis(target_probs, index, axis=-1)[..., 0]  # [B, R]
+    q_of_draft = jnp.take_along_axis(draft_probs, index, axis=-1)[..., 0]  # [B, R]
+    return uniforms * q_of_draft < p_of_draft  # [B, R]
 
 
 def residual_distribution(target_probs: jax.Array, draft_probs: jax.Array) -> jax.Array:
@@ -126,37 +126,38 @@ def residual_distribution(target_probs: jax.Array, draft_probs: jax.Array) -> ja
     """
     residual = jnp.maximum(target_probs - draft_probs, 0.0)  # [..., V]
     mass = jnp.sum(residual, axis=-1, keepdims=True)  # [..., 1]
-    return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), target_probs)
+    return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0),
+                     target_probs)  # [..., V]
 
 
 def first_rejection(accepted: jax.Array, num_draft_tokens: jax.Array) -> jax.Array:
     """Counts the leading accepted drafts of each row, among its first `num_draft_tokens`.
 
     Args:
-        accepted: `[B, K]` bool.
-        num_draft_tokens: `[B]` int32 in [0, K].
+        accepted: `[B, R]` bool.
+        num_draft_tokens: `[B]` int32 in [0, R].
 
     Returns:
         `[B]` int32.
     """
-    positions = jnp.arange(accepted.shape[1])[None, :]  # [1, K]
-    valid = accepted & (positions < num_draft_tokens[:, None])  # [B, K]
+    positions = jnp.arange(accepted.shape[1])[None, :]  # [1, R]
+    valid = accepted & (positions < num_draft_tokens[:, None])  # [B, R]
     return jnp.sum(jnp.cumprod(valid.astype(jnp.int32), axis=1), axis=1)  # [B]
 
 
 def verify(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: jax.Array | None,
            num_draft_tokens: jax.Array, params: SamplingArrays, keys: jax.Array
            ) -> Verification:
-    """Exact speculative sampling for a batch of rows with 0..K drafts each.
+    """Exact speculative sampling for a batch of rows with 0..R drafts each.
 
     Args:
-        target_logits: `[B, K + 1, V]` the target's logits at the last known token and at
+        target_logits: `[B, R + 1, V]` the target's logits at the last known token and at
             each draft (position j predicts the token after draft j); positions past a row's
             drafts are ignored.
-        draft_token_ids: `[B, K]` int32 x_1..x_K (padding past a row's drafts).
-        draft_probs: `[B, K, V]` q_1..q_K after the sampler's transform, or None for
+        draft_token_ids: `[B, R]` int32 x_1..x_R (padding past a row's drafts).
+        draft_probs: `[B, R, V]` q_1..q_R after the sampler's transform, or None for
             point-mass (n-gram) drafts.
-        num_draft_tokens: `[B]` int32 in [0, K].
+        num_draft_tokens: `[B]` int32 in [0, R].
         params: `[B]`-row sampling settings; penalties and min_tokens are applied to every
             position alike, so the caller only speculates for rows where they are constant.
         keys: `[B]` PRNG keys, one per row.
@@ -167,26 +168,28 @@ def verify(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: ja
     batch, positions, vocab = target_logits.shape
     num_drafts = positions - 1
     if draft_probs is None:
-        draft_probs = point_mass(draft_token_ids, vocab)  # [B, K, V]
+        draft_probs = point_mass(draft_token_ids, vocab)  # [B, R, V]
     repeated = repeat_rows(params, positions)
-    flat_logits = target_logits.reshape(batch * positions, vocab)  # [B * (K + 1), V]
+    flat_logits = target_logits.reshape(batch * positions, vocab)  # [B * (R + 1), V]
     greedy = greedy_rows(params)  # [B]
-    argmax = jnp.argmax(process_logits(flat_logits, repeated), axis=-1).astype(jnp.int32)
-    argmax = argmax.reshape(batch, positions)  # [B, K + 1]
-    greedy_accepted = draft_token_ids == argmax[:, :num_drafts]  # [B, K]
+    argmax = jnp.argmax(process_logits(flat_logits, repeated),
+                        axis=-1).astype(jnp.int32)  # [B * (R + 1)]
+    argmax = argmax.reshape(batch, positions)  # [B, R + 1]
+    greedy_accepted = draft_token_ids == argmax[:, :num_drafts]  # [B, R]
     greedy_count = first_rejection(greedy_accepted, num_draft_tokens)  # [B]
     greedy_final = jnp.take_along_axis(argmax, greedy_count[:, None], axis=1)[:, 0]  # [B]
 
     def sampled() -> tuple[jax.Array, jax.Array]:
         target_probs = sampling_probabilities(flat_logits, repeated).reshape(
-            batch, positions, vocab)  # [B, K + 1, V]
-        accept_keys, final_keys = jax.vmap(lambda key: tuple(jax.random.split(key)))(keys)
+            batch, positions, vocab)  # [B, R + 1, V]
+        accept_keys, final_keys = jax.vmap(
+            lambda key: tuple(jax.random.split(key)))(keys)  # [B], [B]
         uniforms = jax.vmap(lambda key: jax.random.uniform(key, (num_drafts,)))(
-            accept_keys)  # [B, K]
+            accept_keys)  # [B, R]
         accepted = acceptance_mask(target_probs[:, :num_drafts], draft_probs, draft_token_ids,
-                                   uniforms)  # [B, K]
+                                   uniforms)  # [B, R]
         count = first_rejection(accepted, num_draft_tokens)  # [B]
-        rows = jnp.arange(batch)
+        rows = jnp.arange(batch)  # [B]
         p_at = target_probs[rows, count]  # [B, V]
         # The draft at the stopping position, or zeros after the last draft (bonus token).
         q_at = jnp.where((count < num_draft_tokens)[:, None],
@@ -194,14 +197,14 @@ def verify(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: ja
                          if num_drafts else jnp.zeros_like(p_at), 0.0)  # [B, V]
         final_probs = residual_distribution(p_at, q_at)  # [B, V]
         final = jax.vmap(jax.random.categorical)(final_keys, jnp.log(final_probs))  # [B]
-        return (jnp.where(greedy, greedy_count, count),
-                jnp.where(greedy, greedy_final, final.astype(jnp.int32)))
+        return (jnp.where(greedy, greedy_count, count),  # [B]
+                jnp.where(greedy, greedy_final, final.astype(jnp.int32)))  # [B]
 
-    # An all-greedy batch skips the [B * (K + 1), V] sorts of top-k and top-p.
+    # An all-greedy batch skips the [B * (R + 1), V] sorts of top-k and top-p.
     count, final = jax.lax.cond(jnp.all(greedy), lambda: (greedy_count, greedy_final),
                                 sampled)  # [B], [B]
-    columns = jnp.arange(positions)[None, :]  # [1, K + 1]
-    padded_drafts = jnp.pad(draft_token_ids, ((0, 0), (0, 1)))  # [B, K + 1]
+    columns = jnp.arange(positions)[None, :]  # [1, R + 1]
+    padded_drafts = jnp.pad(draft_token_ids, ((0, 0), (0, 1)))  # [B, R + 1]
     tokens = jnp.where(columns < count[:, None], padded_drafts,
-                       jnp.where(columns == count[:, None], final[:, None], 0))  # [B, K + 1]
-    return Verification(tokens.astype(jnp.int32), count.astype(jnp.int32))
+                       jnp.where(columns == count[:, None], final[:, None], 0))  # [B, R + 1]
+    return Verification(tokens.astype(jnp.int32), count.astype(jnp.int32))  # [B, R + 1], [B]
