@@ -94,7 +94,8 @@ def test_inputs_survive_the_step_channel(model):
 def test_a_follower_running_the_leaders_steps_ends_in_the_same_state(model):
     leader, follower = _runner(model), _runner(model)
     channel = _RecordingChannel()
-    engine = types.SimpleNamespace(runners=[leader], speculative=None)
+    engine = types.SimpleNamespace(runners=[leader],
+                                   config=types.SimpleNamespace(speculative=None))
     multihost_steps.lead(engine, channel)
     with pytest.raises(ValueError, match="already"):
         leader.lead(channel, 0)
