@@ -24,19 +24,19 @@ from pathlib import Path
 
 # A small Llama (bench-30m's width, 2 layers) so that warm-up stays short, with enough requests
 # and output to measure the engine's host side (scheduling, packing, outputs) and its step.
-BENCH_FLAGS = ["--model", "random:bench-30m", "--num-layers", "2", "--num-prompts", "96",
-               "--input-len-range", "32,128", "--output-len", "128", "--max-num-seqs", "32",
-               "--max-num-batched-tokens", "256", "--min-token-bucket", "32",
-               "--bucket-growth", "4", "--seed", "0"]
+MODEL_FLAGS = ["--model", "random:bench-30m", "--num-layers", "2"]
+BENCH_FLAGS = ["--num-prompts", "96", "--input-len-range", "32,128", "--output-len", "128",
+               "--max-num-seqs", "32", "--max-num-batched-tokens", "256",
+               "--min-token-bucket", "32", "--bucket-growth", "4", "--seed", "0"]
 
 
-def run_once(tree: Path) -> dict:
+def run_once(tree: Path, model_flags: list[str]) -> dict:
     """One `jaxinfer bench throughput` process over `tree`; its JSON result."""
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "result.json"
         environment = {**os.environ, "PYTHONPATH": str(tree)}
         subprocess.run([sys.executable, "-m", "jaxinfer.cli", "bench", "throughput",
-                        *BENCH_FLAGS, "--output-json", str(output)],
+                        *model_flags, *BENCH_FLAGS, "--output-json", str(output)],
                        cwd=tree, env=environment, check=True, capture_output=True, text=True)
         return json.loads(output.read_text())
 
@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--after", type=Path, default=Path("."), help="the new source tree")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each tree")
     parser.add_argument("--out", type=Path, help="append a markdown section here")
+    parser.add_argument("--model", default=None,
+                        help="a model with a tokenizer, e.g. builtin:demo, so outputs are "
+                             "detokenized too (default: a 2-layer random:bench-30m)")
     args = parser.parse_args()
+    model_flags = MODEL_FLAGS if args.model is None else ["--model", args.model]
     before, after = [], []
     for repeat in range(args.repeats):
         # Alternate which tree goes first, so drift does not favour one.
@@ -60,17 +64,19 @@ def main() -> None:
         if repeat % 2:
             order.reverse()
         for name, tree in order:
-            value = output_tokens_per_second(run_once(tree.resolve()))
+            value = output_tokens_per_second(run_once(tree.resolve(), model_flags))
             (before if name == "before" else after).append(value)
             print(f"repeat {repeat}: {name} {value:.1f} output tok/s", flush=True)
     ratios = [new / old for old, new in zip(before, after, strict=True)]
     lines = [
         "",
-        f"## Engine redesign: throughput before and after ({datetime.date.today()})",
+        f"## Engine redesign: throughput before and after, {' '.join(model_flags[1:2])} "
+        f"({datetime.date.today()})",
         "",
         f"Command: `python benchmarks/ab_throughput.py --before OLD_TREE --after . "
-        f"--repeats {args.repeats}`; each run is `jaxinfer bench throughput "
-        f"{' '.join(BENCH_FLAGS)}` in a fresh process.",
+        f"--repeats {args.repeats}"
+        f"{'' if args.model is None else ' --model ' + args.model}`; each run is "
+        f"`jaxinfer bench throughput {' '.join(model_flags + BENCH_FLAGS)}` in a fresh process.",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or '?'}; "
         "both trees measured alternately in the same run.",
         "",
