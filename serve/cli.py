@@ -101,14 +101,16 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
     from jaxinfer.engine.async_engine import AsyncEngine
     from jaxinfer.engine.config import engine_options_from_args
     from jaxinfer.engine.factory import load_engine
-    from jaxinfer.engine.multihost_steps import follow, lead
+    from jaxinfer.engine.multihost_steps import follow
     from serve.server import Server, ServerAddress
     from serve.service import InferenceService, ServiceConfig
 
     options = engine_options_from_args(args)
     try:
+        # Process 0's runners send each step down the channel before running it.
+        leader_end = channel if channel is not None and channel.is_leader else None
         engine = load_engine(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-                             **options)
+                             step_channel=leader_end, **options)
         if channel is not None and not channel.is_leader:
             import jax
 
@@ -125,8 +127,6 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
             print(f"jaxinfer: process {jax.process_index()}: the leader stopped after "
                   f"{steps} steps", flush=True)
             return 0
-        if channel is not None:
-            lead(engine, channel)
         service = InferenceService(AsyncEngine(engine, warm_up=True), ServiceConfig(
             model_name=args.served_model_name or args.model,
             max_queued_requests=args.max_queued_requests, api_key=args.api_key,

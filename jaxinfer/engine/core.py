@@ -53,6 +53,7 @@ from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.spec.proposer import Proposer, build_proposer
 from jaxinfer.models import Transformer
+from jaxinfer.multihost import StepChannel
 from jaxinfer.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "Prompt", "runner_config"]
@@ -87,7 +88,8 @@ class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, *,
                  draft_model: Transformer | None = None, mesh: Mesh | None = None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, step_channel: StepChannel | None = None,
+                 channel_tag: int = 0) -> None:
         """Builds the scheduler, the page pool and the jitted step (not yet compiled).
 
         Args:
@@ -100,6 +102,10 @@ class Engine:
                 device. The page pool is split over it like the model's KV heads.
             proposer: Drafts tokens in place of the one `speculative` names (which still
                 sets how many are verified, and whether drafts carry distributions).
+            step_channel: A multi-host leader's end of the step channel: every step's inputs
+                go down it, tagged `channel_tag` (the replica index), before the step runs
+                (`jaxinfer.engine.multihost_steps`).
+            channel_tag: This replica's index among the engine's replicas.
 
         Raises:
             ValueError: An invalid config (the field is named), a drafter whose
@@ -115,7 +121,13 @@ class Engine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config.scheduler, config.cache)
-        self.runner = ModelRunner(model, runner_config(config), mesh=mesh)
+        if step_channel is not None and config.speculative is not None and (
+                config.speculative.method == "draft_model"):
+            # The drafter's steps run on process 0's devices only.
+            raise ValueError("speculative decoding with a draft model is not supported across "
+                             "several processes yet; use the ngram method")
+        self.runner = ModelRunner(model, runner_config(config), mesh=mesh,
+                                  channel=step_channel, channel_tag=channel_tag)
         self.speculative = config.speculative
         self.spec_stats = SpecStats()
         if proposer is not None and self.speculative is None:

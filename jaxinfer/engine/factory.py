@@ -23,6 +23,7 @@ from jaxinfer.engine.data_parallel import DataParallelEngine
 from jaxinfer.engine.parallel import place_on_mesh, replica_meshes
 from jaxinfer.model_loading import load_model, load_model_config, resolve_model_path
 from jaxinfer.models import Transformer
+from jaxinfer.multihost import StepChannel
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -39,11 +40,14 @@ def load_tokenizer_of(model: str | os.PathLike[str],
 
 
 def build_engine(model: Transformer, config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None) -> Engine | DataParallelEngine:
+                 tokenizer: Tokenizer | None = None, *,
+                 step_channel: StepChannel | None = None) -> Engine | DataParallelEngine:
     """The engine `config`'s parallel sizes ask for, over an already loaded model.
 
     The model is placed on each replica's mesh (a copy per replica; no copy when it already
-    sits on the first replica's mesh as that mesh's layout wants).
+    sits on the first replica's mesh as that mesh's layout wants). A multi-host leader passes
+    its end of the step channel: each replica's runner then sends its steps down it, tagged
+    with the replica's index.
 
     Raises:
         ValueError: The model cannot be split as asked, or there are too few devices
@@ -53,14 +57,14 @@ def build_engine(model: Transformer, config: EngineConfig | None = None,
     config.parallel.check_model(model.config)
     meshes = replica_meshes(config.parallel)
     if meshes is None:
-        return Engine(model, config, tokenizer)
+        return Engine(model, config, tokenizer, step_channel=step_channel)
     return _replicated(config, tokenizer, [place_on_mesh(model, mesh) for mesh in meshes],
-                       meshes)
+                       meshes, step_channel)
 
 
 def load_engine(model: str | os.PathLike[str], *,
                 tokenizer: str | os.PathLike[str] | None = None, dtype: str | None = None,
-                config: EngineConfig | None = None,
+                config: EngineConfig | None = None, step_channel: StepChannel | None = None,
                 **engine_options: Any) -> Engine | DataParallelEngine:
     """Loads a model (and its tokenizer, if it has one) and builds the engine its options ask
     for.
@@ -78,6 +82,7 @@ def load_engine(model: str | os.PathLike[str], *,
             checkpoint's.
         config: The engine options as one `EngineConfig` (then `engine_options` must be
             empty).
+        step_channel: A multi-host leader's end of the step channel (see `build_engine`).
         **engine_options: `EngineConfig` options by vLLM's flat names, including
             `tensor_parallel_size`, `data_parallel_size` and `expert_parallel_size`.
 
@@ -98,16 +103,18 @@ def load_engine(model: str | os.PathLike[str], *,
     loaded_tokenizer = load_tokenizer_of(model, tokenizer)
     if meshes is None or jax.process_count() == 1:
         network = load_model(model, mesh=None if meshes is None else meshes[0], **overrides)
-        return build_engine(network, config, loaded_tokenizer)
+        return build_engine(network, config, loaded_tokenizer, step_channel=step_channel)
     models = [load_model(model, mesh=mesh, **overrides) for mesh in meshes]
-    return _replicated(config, loaded_tokenizer, models, meshes)
+    return _replicated(config, loaded_tokenizer, models, meshes, step_channel)
 
 
 def _replicated(config: EngineConfig, tokenizer: Tokenizer | None, models: list[Transformer],
-                meshes: list[Mesh]) -> Engine | DataParallelEngine:
+                meshes: list[Mesh], step_channel: StepChannel | None
+                ) -> Engine | DataParallelEngine:
     """One engine per (model, mesh); a DataParallelEngine over them if more than one."""
     replica_config = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
-    engines = [Engine(network, replica_config, tokenizer, mesh=mesh)
-               for network, mesh in zip(models, meshes, strict=True)]
+    engines = [Engine(network, replica_config, tokenizer, mesh=mesh,
+                      step_channel=step_channel, channel_tag=index)
+               for index, (network, mesh) in enumerate(zip(models, meshes, strict=True))]
     return engines[0] if len(engines) == 1 else DataParallelEngine(engines)

@@ -2,9 +2,10 @@
 
 In a multi-host run (`jaxinfer.distributed`), each process loads the same engine onto the
 same global meshes (`jaxinfer.engine.parallel` gives every replica a share of every process's
-devices). Process 0, the leader, owns the front ends and the scheduler: `lead` makes each of
-its runners send every step's kind and `StepInputs`, tagged with the replica index, down a
-`jaxinfer.multihost.StepChannel` before running it. Every other process calls `follow`, which
+devices). Process 0, the leader, owns the front ends and the scheduler: its engine is built with the
+leader's end of a `jaxinfer.multihost.StepChannel` (`load_engine(..., step_channel=...)`), so
+each of its runners sends every step's kind and `StepInputs`, tagged with the replica index,
+down the channel before running it. Every other process calls `follow`, which
 runs the same steps on the same inputs in the same order, until the leader closes the channel.
 Because warm-up is a sequence of steps too, followers compile what the leader compiles.
 
@@ -28,27 +29,6 @@ logger = logging.getLogger(__name__)
 # leader and the followers both import this module) rather than trusted because some module
 # happens to be imported.
 register_payload_types(StepInputs, PagedBatch, SamplingArrays)
-
-
-def lead(engine: EngineClient, channel: StepChannel) -> None:
-    """Makes the leader's runners send each step to the followers before running it.
-
-    The engine is built first (by `load_engine`, which knows nothing of channels), so its
-    runners are told to lead afterwards, each with its replica index as tag.
-
-    Raises:
-        ValueError: `channel` is a follower's end, or the engine drafts with a separate
-            model (its steps run on process 0's devices only, which multi-host serving does
-            not support yet).
-    """
-    if not channel.is_leader:
-        raise ValueError("lead() takes the leader's end of the step channel (process 0)")
-    speculative = engine.config.speculative
-    if speculative is not None and speculative.method == "draft_model":
-        raise ValueError("speculative decoding with a draft model is not supported across "
-                         "several processes yet; use the ngram method")
-    for index, runner in enumerate(engine.runners):
-        runner.lead(channel, index)
 
 
 def follow(engine: EngineClient, channel: StepChannel) -> int:

@@ -234,7 +234,7 @@ class ModelRunner:
                 pages of its own heads; inputs are replicated and outputs gathered.
             layout: The sharding layout the model was placed with.
             channel: The leader's end of a multi-host step channel: every step's inputs go
-                down it before the step runs (see `lead`); None: a single process.
+                down it before the step runs; None: a single process.
             channel_tag: This runner's replica index, sent with each step so a follower
                 hands it to the same replica's runner.
         """
@@ -245,10 +245,10 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.pages, self.scales = self._allocate_pages()  # scales: None unless int8
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self._channel: StepChannel | None = None
-        self._channel_tag = 0
-        if channel is not None:
-            self.lead(channel, channel_tag)
+        if channel is not None and not channel.is_leader:
+            raise ValueError("a runner leads with the leader's end of the step channel")
+        self._channel = channel
+        self._channel_tag = channel_tag
         # On a mesh the outputs' placement is pinned: the pool keeps its own sharding (so
         # the donated buffers are reused and every call after the first sees the inputs the
         # program was compiled for), and the results are replicated for every process.
@@ -524,21 +524,6 @@ class ModelRunner:
                     result.prompt_top_logprobs[rows])
             offset += len(sequence.token_ids)
         return RunnerOutput(sampled, prompt, speculated)
-
-    def lead(self, channel: StepChannel, tag: int) -> None:
-        """Makes this runner a multi-host leader's: from now on each step's kind and inputs
-        go down `channel`, tagged with `tag` (the replica index), before the step runs, so
-        the followers run the same steps in the same order (see
-        `jaxinfer.engine.multihost_steps`).
-
-        Raises:
-            ValueError: `channel` is a follower's end, or the runner already leads.
-        """
-        if not channel.is_leader:
-            raise ValueError("a runner leads with the leader's end of the step channel")
-        if self._channel is not None:
-            raise ValueError("this runner already sends its steps down a channel")
-        self._channel, self._channel_tag = channel, tag
 
     def _launch(self, kind: str, inputs: StepInputs) -> StepOutputs:
         """Sends the step to the followers (a multi-host leader), then runs it here."""

@@ -12,6 +12,8 @@ import pytest
 
 from jaxinfer.config import get_preset
 from jaxinfer.engine import multihost_steps
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.core import Engine
 from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig
 from jaxinfer.engine.device.step_io import PROMPT_STEP, STEP, StepInputs, StepOutputs
 from jaxinfer.engine.host.scheduler import ScheduledRequest
@@ -25,10 +27,10 @@ def model():
     return create_model(get_preset("tiny"), seed=0)
 
 
-def _runner(model, **overrides):
+def _runner(model, channel=None, **overrides):
     config = dict(num_pages=20, page_size=4, max_num_batched_tokens=16, max_num_seqs=4,
                   max_model_len=32)
-    return ModelRunner(model, RunnerConfig(**{**config, **overrides}))
+    return ModelRunner(model, RunnerConfig(**{**config, **overrides}), channel=channel)
 
 
 def _prefill(request_id, tokens, table, params=None):
@@ -92,13 +94,8 @@ def test_inputs_survive_the_step_channel(model):
 
 
 def test_a_follower_running_the_leaders_steps_ends_in_the_same_state(model):
-    leader, follower = _runner(model), _runner(model)
     channel = _RecordingChannel()
-    engine = types.SimpleNamespace(runners=[leader],
-                                   config=types.SimpleNamespace(speculative=None))
-    multihost_steps.lead(engine, channel)
-    with pytest.raises(ValueError, match="already"):
-        leader.lead(channel, 0)
+    leader, follower = _runner(model, channel=channel), _runner(model)
     leader.execute([_prefill("a", [1, 2, 3, 4, 5], [1, 2]), _prefill("b", [9, 8], [3])])
     leader.execute([ScheduledRequest("a", [6], [5], [1, 2], True, 0, None, (1, 2, 3, 4, 5))])
     follower_engine = types.SimpleNamespace(runners=[follower])
@@ -107,7 +104,15 @@ def test_a_follower_running_the_leaders_steps_ends_in_the_same_state(model):
                  jax.device_get(leader.pages))
 
 
-def test_lead_refuses_a_followers_end(model):
+def test_a_runner_refuses_a_followers_end(model):
     follower_end = types.SimpleNamespace(is_leader=False)
     with pytest.raises(ValueError, match="leader"):
-        _runner(model).lead(follower_end, 0)
+        _runner(model, channel=follower_end)
+
+
+def test_an_engine_with_a_step_channel_refuses_a_draft_model(model):
+    config = EngineConfig.from_options(
+        page_size=4, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32,
+        speculative={"method": "draft_model", "model": "random:tiny", "num_tokens": 2})
+    with pytest.raises(ValueError, match="draft model"):
+        Engine(model, config, step_channel=_RecordingChannel())
