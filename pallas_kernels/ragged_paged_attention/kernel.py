@@ -5,25 +5,28 @@ reach back past their queries, packed back to back (`reference.py` documents the
 and the ragged batch description, which this kernel shares).
 
 Work split. The wrapper regroups the queries per KV head, `[T, N, H]` -> `[K, T * G, H]`
-(row `t * G + g` is query head `k * G + g` of token t), so one program owns one KV head and a
-tile of `block_tokens` packed tokens, and every matmul is a plain 2-D `[rows, H] x [H, S]`
-(S: the keys of one block of pages).
-The grid is `(K, T / block_tokens)`; both axes are independent ("parallel").
+(row `t * G + g` is query head `k * G + g` of token t), so one program owns a block of
+`heads_per_block` KV heads (E) and a tile of `block_tokens` packed tokens, and every matmul is
+a plain 2-D `[rows, H] x [H, S]` (S: the keys of one block of pages), one per head of the block.
+The grid is `(K / E, T / block_tokens)`; both axes are independent ("parallel").
+E is 1 for float pages. For int8 pages it is 4 (or K when K is not a multiple of 4): HBM tiles
+an int8 `[2K, H]` row in `(8, 128)` tiles, so a page copy may only start at a multiple of 8 on
+the combined head axis, i.e. at every fourth KV head; one head's 2 rows cannot be copied alone.
 
 Inside a program. Page tables, lengths and query offsets are scalar-prefetched into SMEM.
 For every sequence whose tokens intersect the tile, the kernel walks that sequence's pages in
-blocks of `pages_per_block`, copying each block's pages (this KV head's key and value rows
-only, `[Z, 2, H]` per page) from HBM into VMEM with asynchronous copies,
+blocks of `pages_per_block`, copying each block's pages (this head block's key and value
+rows only, `[Z, 2E, H]` per page) from HBM into VMEM with asynchronous copies,
 double-buffered: block j + 1's copies are in flight while block j is computed. Scores are
 masked causally by position, to the sequence's own rows, and to the optional sliding window,
 optionally soft-capped (`cap * tanh(s / cap)`), and folded into an online softmax (running
 max, denominator, weighted sum in f32 VMEM scratch). Rows of padding tokens stay zero.
 
 int8 KV. With `kv_scales` the pages are int8 and each block's per-token scales are copied
-beside them (`[Z, 2]` per page: this head's key and value scales). The tile is never
-dequantized: a key's scale multiplies its score column (`q . (s k) = s (q . k)`) and a value's
-scale multiplies its probability column before the `P V` matmul, so the page bytes read stay
-one per element.
+beside them (`[Z, 2K]` per page, every head's: the whole row, as slicing the lane axis at a
+head would be unaligned). Each head picks its key and value scale columns with an iota mask
+(its column index is dynamic) and scales the keys and values after widening them to f32 in
+VMEM, so the page bytes read from HBM stay one per element.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref,
     # inputs
-    queries_ref,  # [1, rows, H] this KV head's query rows of the tile (block_tokens * G)
+    queries_ref,  # [E, rows, H] this head block's query rows of the tile (block_tokens * G)
     kv_pages_hbm,  # [P, Z, 2K, H] the whole pool, left in HBM
     *refs,
     quantized: bool,
     group: int,
+    heads_per_block: int,
     block_tokens: int,
     pages_per_block: int,
     pages_per_seq: int,
@@ -55,15 +59,16 @@ def _kernel(
     soft_cap: float | None,
 ):
     if quantized:
-        # kv_scales_hbm [P, Z, 2K]; scale_buffer [2, pages_per_block, Z, 2]
+        # kv_scales_hbm [P, Z, 2K]; scale_buffer [2, pages_per_block, Z, 2K]
         (kv_scales_hbm, out_ref, buffer, semaphores, scale_buffer, scale_semaphores,
          running_max, denominator, accumulator) = refs
     else:
         out_ref, buffer, semaphores, running_max, denominator, accumulator = refs
-    # out_ref [1, rows, H]; buffer [2, pages_per_block, Z, 2, H] double-buffered key and
-    # value pages; semaphores [2, pages_per_block]; running_max, denominator [rows, 1] f32;
-    # accumulator [rows, H] f32.
-    kv_head = pl.program_id(0)
+    # out_ref [E, rows, H]; buffer [2, pages_per_block, Z, 2E, H] double-buffered key and
+    # value pages; semaphores [2, pages_per_block]; running_max, denominator [E, rows, 1] f32;
+    # accumulator [E, rows, H] f32.
+    head_block = pl.program_id(0)
+    first_row = pl.multiple_of(head_block * (2 * heads_per_block), 2 * heads_per_block)
     tile = pl.program_id(1)
     page_size = buffer.shape[2]
     rows = block_tokens * group
@@ -74,7 +79,8 @@ def _kernel(
     running_max[...] = jnp.full(running_max.shape, _MASKED, jnp.float32)
     denominator[...] = jnp.zeros(denominator.shape, jnp.float32)
     accumulator[...] = jnp.zeros(accumulator.shape, jnp.float32)
-    queries = queries_ref[0].astype(jnp.float32) * sm_scale  # [rows, H]
+    queries = [queries_ref[h].astype(jnp.float32) * sm_scale
+               for h in range(heads_per_block)]  # E x [rows, H]
     row_token = tile_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [rows, 1]
 
     def sequence_body(sequence, carry):
@@ -102,11 +108,11 @@ def _kernel(
                     entry = jnp.minimum(block * pages_per_block + page, pages_per_seq - 1)
                     physical = page_indices_ref[sequence * pages_per_seq + entry]
                     result.append(pltpu.make_async_copy(
-                        kv_pages_hbm.at[physical, :, pl.ds(2 * kv_head, 2), :],
+                        kv_pages_hbm.at[physical, :, pl.ds(first_row, 2 * heads_per_block), :],
                         buffer.at[slot, page], semaphores.at[slot, page]))
                     if quantized:
                         result.append(pltpu.make_async_copy(
-                            kv_scales_hbm.at[physical, :, pl.ds(2 * kv_head, 2)],
+                            kv_scales_hbm.at[physical],
                             scale_buffer.at[slot, page], scale_semaphores.at[slot, page]))
                 return result
 
@@ -123,20 +129,11 @@ def _kernel(
 
                 for copy in copies(block, slot):
                     copy.wait()
-                pages = buffer[slot]  # [pages_per_block, Z, 2, H]
-                keys = pages[:, :, 0, :].reshape(block_keys, -1).astype(jnp.float32)  # [S, H]
-                values = pages[:, :, 1, :].reshape(block_keys, -1).astype(
-                    jnp.float32)  # [S, H]
-                scores = jax.lax.dot_general(
-                    queries, keys, (((1,), (1,)), ((), ())),
-                    preferred_element_type=jnp.float32)  # [rows, S]
+                pages = buffer[slot]  # [pages_per_block, Z, 2E, H]
                 if quantized:
-                    page_scales = scale_buffer[slot]  # [pages_per_block, Z, 2]
-                    key_scales = page_scales[:, :, 0].reshape(1, block_keys)  # [1, S]
-                    value_scales = page_scales[:, :, 1].reshape(1, block_keys)  # [1, S]
-                    scores = scores * key_scales
-                if soft_cap is not None:
-                    scores = soft_cap * jnp.tanh(scores / soft_cap)
+                    pages = pages.astype(jnp.float32)
+                    page_scales = scale_buffer[slot]  # [pages_per_block, Z, 2K]
+                    column = jax.lax.broadcasted_iota(jnp.int32, page_scales.shape, 2)
                 key_position = block * block_keys + jax.lax.broadcasted_iota(
                     jnp.int32, (1, block_keys), 1)  # [1, S]
                 row_position = kv_len - (query_end - row_token)  # [rows, 1]
@@ -144,19 +141,38 @@ def _kernel(
                            & (key_position <= row_position) & (key_position < kv_len))
                 if sliding_window is not None:
                     visible &= row_position - key_position < sliding_window
-                scores = jnp.where(visible, scores, _MASKED)  # [rows, S]
-                previous_max = running_max[...]  # [rows, 1]
-                new_max = jnp.maximum(previous_max, jnp.max(scores, axis=1, keepdims=True))
-                rescale = jnp.exp(previous_max - new_max)  # [rows, 1]
-                probabilities = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [rows, S]
-                denominator[...] = denominator[...] * rescale + jnp.sum(
-                    probabilities, axis=1, keepdims=True)
-                if quantized:
-                    probabilities = probabilities * value_scales  # [rows, S]
-                accumulator[...] = accumulator[...] * rescale + jax.lax.dot_general(
-                    probabilities, values, (((1,), (0,)), ((), ())),
-                    preferred_element_type=jnp.float32)  # [rows, H]
-                running_max[...] = new_max
+                for h in range(heads_per_block):
+                    keys = pages[:, :, 2 * h, :].reshape(block_keys, -1).astype(
+                        jnp.float32)  # [S, H]
+                    values = pages[:, :, 2 * h + 1, :].reshape(block_keys, -1).astype(
+                        jnp.float32)  # [S, H]
+                    if quantized:
+                        key_column = first_row + 2 * h
+
+                        def scales_of(index):
+                            picked = jnp.where(column == index, page_scales, 0.0)
+                            return jnp.sum(picked, axis=2, keepdims=True).reshape(
+                                block_keys, 1)  # [S, 1]
+
+                        keys = keys * scales_of(key_column)
+                        values = values * scales_of(key_column + 1)
+                    scores = jax.lax.dot_general(
+                        queries[h], keys, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)  # [rows, S]
+                    if soft_cap is not None:
+                        scores = soft_cap * jnp.tanh(scores / soft_cap)
+                    scores = jnp.where(visible, scores, _MASKED)  # [rows, S]
+                    previous_max = running_max[h]  # [rows, 1]
+                    new_max = jnp.maximum(previous_max, jnp.max(scores, axis=1, keepdims=True))
+                    rescale = jnp.exp(previous_max - new_max)  # [rows, 1]
+                    probabilities = jnp.where(visible, jnp.exp(scores - new_max),
+                                              0.0)  # [rows, S]
+                    denominator[h] = denominator[h] * rescale + jnp.sum(
+                        probabilities, axis=1, keepdims=True)
+                    accumulator[h] = accumulator[h] * rescale + jax.lax.dot_general(
+                        probabilities, values, (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32)  # [rows, H]
+                    running_max[h] = new_max
                 return inner_carry
 
             jax.lax.fori_loop(first_block, end_block, block_body, 0)
@@ -164,8 +180,14 @@ def _kernel(
         return carry
 
     jax.lax.fori_loop(0, num_seqs_ref[0], sequence_body, 0)
-    total = denominator[...]  # [rows, 1]
-    out_ref[0] = (accumulator[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+    total = denominator[...]  # [E, rows, 1]
+    out_ref[...] = (accumulator[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+
+
+def int8_heads_per_block(num_kv_heads: int) -> int:
+    """KV heads per program for an int8 pool: 4 (8 rows of the combined head axis, one HBM
+    tile of int8), or all K when K is not a multiple of 4 (a whole-axis copy is aligned)."""
+    return 4 if num_kv_heads % 4 == 0 else num_kv_heads
 
 
 def ragged_paged_attention_kernel(
@@ -226,27 +248,32 @@ def ragged_paged_attention_kernel(
         num_kv_heads, padded_tokens * group, head_dim)  # [K, T' * G, H]
 
     quantized = kv_scales is not None
+    heads_per_block = int8_heads_per_block(num_kv_heads) if quantized else 1
     kernel = functools.partial(
-        _kernel, quantized=quantized, group=group, block_tokens=block_tokens,
+        _kernel, quantized=quantized, group=group, heads_per_block=heads_per_block,
+        block_tokens=block_tokens,
         pages_per_block=pages_per_block, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap)
-    row_block = pl.BlockSpec((1, rows, head_dim), lambda head, tile, *_: (head, tile, 0))
+    row_block = pl.BlockSpec((heads_per_block, rows, head_dim),
+                             lambda head_block, tile, *_: (head_block, tile, 0))
     in_hbm = pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM)
-    page_scratch = [pltpu.VMEM((2, pages_per_block, page_size, 2, head_dim), kv_pages.dtype),
+    page_scratch = [pltpu.VMEM((2, pages_per_block, page_size, 2 * heads_per_block, head_dim),
+                               kv_pages.dtype),
                     pltpu.SemaphoreType.DMA((2, pages_per_block))]
     if quantized:
-        page_scratch += [pltpu.VMEM((2, pages_per_block, page_size, 2), jnp.float32),
+        page_scratch += [pltpu.VMEM((2, pages_per_block, page_size, combined_heads),
+                                    jnp.float32),
                          pltpu.SemaphoreType.DMA((2, pages_per_block))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(num_kv_heads, num_tiles),
+        grid=(num_kv_heads // heads_per_block, num_tiles),
         in_specs=[row_block, in_hbm] + ([in_hbm] if quantized else []),
         out_specs=row_block,
         scratch_shapes=[
             *page_scratch,
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, head_dim), jnp.float32),
+            pltpu.VMEM((heads_per_block, rows, 1), jnp.float32),
+            pltpu.VMEM((heads_per_block, rows, 1), jnp.float32),
+            pltpu.VMEM((heads_per_block, rows, head_dim), jnp.float32),
         ],
     )
     out = pl.pallas_call(
