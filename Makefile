@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint demo clean
+.PHONY: test test-slow lint demo clean tpu-env tpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 # [tool.importlinter]) are checked first: a second.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-logo
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not tpu and not gpu" --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not tpu and not gpu and not tpu_aot" --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
@@ -29,5 +29,26 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The TPU compiler on this CPU machine: a second environment with jax[tpu] pinned to the jax of
+# .venv (libtpu must match jaxlib; .venv is built first where missing), the project installed
+# without the test extras. tpu-check compiles every kernel case for TPU v4/v5e/v5p/v6e there
+# (pallas_kernels/aot.py).
+TPU_VENV ?= .venv-tpu
+TPU_PY := $(TPU_VENV)/bin/python
+TPU_STAMP := $(TPU_VENV)/.installed
+
+$(TPU_STAMP): pyproject.toml
+	test -x $(PY) || $(MAKE) $(STAMP)
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_PY) -m pip install --quiet --upgrade pip
+	$(TPU_PY) -m pip install --quiet "jax[tpu]==$$($(PY) -c 'import jax; print(jax.__version__)')" \
+		-e . pytest
+	touch $(TPU_STAMP)
+
+tpu-env: $(TPU_STAMP)
+
+tpu-check: $(TPU_STAMP)
+	$(TPU_PY) -m pytest -q -m tpu_aot tests/pallas_kernels/test_tpu_aot.py
+
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .import_linter_cache
+	rm -rf $(VENV) $(TPU_VENV) .demo .pytest_cache .import_linter_cache
