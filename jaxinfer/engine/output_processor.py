@@ -262,10 +262,6 @@ class OutputProcessor:
             self._samples[sample_id] = (state, index)
         return state
 
-    def sample(self, sample_id: str) -> tuple[RequestState, int]:
-        """The user request and sample index of a scheduler request."""
-        return self._samples[sample_id]
-
     def process(self, updates: Iterable[Any], sampled: dict[str, Any],
                 prompt_logprobs: dict[str, Any]
                 ) -> tuple[list[RequestOutput], list[str], list[str]]:
