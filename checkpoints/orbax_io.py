@@ -59,19 +59,16 @@ def restore_model(
         layout: Sharding layout for `mesh`.
         abstract: The abstract module tree to restore into, when the saved model is not the
             config's plain float model (a quantized one, whose projections are modules of
-            integer arrays); only onto the default device (no mesh).
+            integer arrays carrying their own logical axes).
     """
     directory = Path(directory).absolute()
     config = read_config(directory)
-    if abstract is not None and mesh is not None:
-        raise ValueError(f"{directory}: restoring a non-default model structure onto a mesh "
-                         "is not supported; restore it without mesh")
     graphdef, abstract_state = nnx.split(abstract or abstract_model(config))
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, abstract_state)
     else:
-        shardings = model_shardings(config, mesh, layout)
+        shardings = model_shardings(config, mesh, layout, model=abstract)
     target = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         abstract_state, shardings)

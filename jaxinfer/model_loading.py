@@ -86,10 +86,10 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
     if (path / CONFIG_FILE).exists():
         return load_hf_checkpoint(path, mesh=mesh, layout=layout, **config_overrides)
     if is_quantized_checkpoint(path):
-        if config_overrides or mesh is not None:
-            raise ValueError(f"{path} is a quantized checkpoint: it loads as saved, onto one "
-                             f"device (no config overrides {sorted(config_overrides)}, no mesh)")
-        return restore_quantized_model(path)
+        if config_overrides:
+            raise ValueError(f"{path} is a quantized checkpoint: it loads as saved (no config "
+                             f"overrides {sorted(config_overrides)})")
+        return restore_quantized_model(path, mesh=mesh, layout=layout)
     if (path / ORBAX_CONFIG_FILE).exists():
         if config_overrides:
             raise ValueError(f"{path}: config overrides {sorted(config_overrides)} apply to "

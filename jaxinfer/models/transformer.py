@@ -210,13 +210,21 @@ def abstract_model(config: ModelConfig) -> Transformer:
 
 
 def model_shardings(config: ModelConfig, mesh: Mesh,
-                    layout: str | LogicalRules = "tensor_parallel") -> nnx.State:
+                    layout: str | LogicalRules = "tensor_parallel", *,
+                    model: Transformer | None = None) -> nnx.State:
     """The NamedSharding of every parameter of a `config` model on `mesh` under `layout`.
+
+    Args:
+        config: The model's config.
+        mesh: The device mesh.
+        layout: The sharding layout.
+        model: The (abstract) model when it is not the config's float model, e.g. a
+            quantized one, whose integer arrays carry their own logical axes.
 
     Raises:
         ShardingError: A parameter cannot be split as the layout asks on this mesh.
     """
-    return parameter_shardings(nnx.state(abstract_model(config)), mesh, layout)
+    return parameter_shardings(nnx.state(model or abstract_model(config)), mesh, layout)
 
 
 def create_model(

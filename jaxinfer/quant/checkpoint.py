@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from flax import nnx
+from jax.sharding import Mesh
 
 from checkpoints import restore_model, save_model
 from checkpoints.orbax_io import read_config
@@ -83,6 +84,9 @@ def abstract_quantized_model(directory: str | os.PathLike[str]) -> Transformer:
                                                  quantization))
 
 
-def restore_quantized_model(directory: str | os.PathLike[str]) -> Transformer:
-    """Restores a checkpoint written by `save_quantized_model` onto the default device."""
-    return restore_model(directory, abstract=abstract_quantized_model(directory))
+def restore_quantized_model(directory: str | os.PathLike[str], *, mesh: Mesh | None = None,
+                            layout: str = "tensor_parallel") -> Transformer:
+    """Restores a checkpoint written by `save_quantized_model`, onto `mesh` under `layout`
+    (each quantized layer split like the float weight it replaced) or the default device."""
+    return restore_model(directory, mesh=mesh, layout=layout,
+                         abstract=abstract_quantized_model(directory))

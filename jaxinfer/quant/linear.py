@@ -18,6 +18,7 @@ table (a lookup) or OSP's embedding projections (folded away at export).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -25,10 +26,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxinfer.models import Transformer
 from jaxinfer.models.layers import MLP, LinearParam
 from jaxinfer.quant.config import QuantizationConfig, WeightScheme
+from jaxinfer.sharding import active_axis
 from pallas_kernels.quant_matmul import QuantizedWeight, dequantize_weight, get_format
 from pallas_kernels.quant_matmul import quantized_matmul as quantized_matmul_op
 
@@ -40,26 +43,47 @@ class QuantizedArray(nnx.Variable):
 class QuantizedLinear(nnx.Module):
     """`x @ weight` for a quantized `[I, O]` weight, reshaped to the parameter it replaces.
 
+    Under tensor parallelism the layer is split like the float parameter it replaces: its
+    arrays carry logical axes (`logical_axes`, the float parameter's input and output axes
+    flattened), so the engine's sharding rules place them, and the call runs the kernel per
+    shard under `jax.shard_map` (a Pallas call cannot be split by the compiler, which would
+    otherwise gather the whole weight onto every chip each step):
+    - output split (q, k, v, gate, up): each shard computes its columns from the whole `x`;
+    - input split (o, down): each shard multiplies its slice of `x` by its rows, and one
+      all-reduce adds the partial sums, as for the float weight. W8A8 then quantizes each
+      token per slice (a scale per token and shard), not over the whole row.
+
     Args:
         weight: The quantized `[I, O]` matrix.
         output_shape: The output axes of the replaced parameter, whose product is O (e.g.
             `(N, H)` for q_proj); the layer's output is `[..., *output_shape]`.
+        logical_axes: The logical axes of I and O (None: never split).
         implementation: `pallas_kernels.dispatch` choice; "auto" follows
             `force_implementation` and `JAXINFER_KERNELS`.
     """
 
     def __init__(self, weight: QuantizedWeight, output_shape: Sequence[int], *,
+                 logical_axes: tuple[str | None, str | None] = (None, None),
                  implementation: str = "auto") -> None:
         if math.prod(output_shape) != weight.shape[1]:
             raise ValueError(f"output_shape {tuple(output_shape)} does not hold the "
                              f"{weight.shape[1]} output features of the quantized weight")
-        self.values = QuantizedArray(weight.values)  # [I, O] int8 or [I // 2, O] uint8
-        self.scales = QuantizedArray(weight.scales)  # [O] or [C, O] float32
-        self.zeros = None if weight.zeros is None else QuantizedArray(weight.zeros)  # [C, O]
+        rows, columns = logical_axes
+        grouped = weight.scales.ndim == 2
+        # Group scales and zero points follow the rows they scale. eager_sharding=False:
+        # placement is decided for the whole model by the loader, as for float parameters.
+        self.values = QuantizedArray(weight.values,  # [I, O] int8 or [I // 2, O] uint8
+                                     out_sharding=(rows, columns), eager_sharding=False)
+        self.scales = QuantizedArray(weight.scales,  # [O] or [C, O] float32
+                                     out_sharding=(rows, columns) if grouped else (columns,),
+                                     eager_sharding=False)
+        self.zeros = None if weight.zeros is None else QuantizedArray(
+            weight.zeros, out_sharding=(rows, columns), eager_sharding=False)  # [C, O]
         self.format = weight.format
         self.group_size = weight.group_size
         self.bits = weight.bits
         self.output_shape = tuple(output_shape)
+        self.logical_axes = (rows, columns)
         self.implementation = implementation
 
     @property
@@ -77,8 +101,15 @@ class QuantizedLinear(nnx.Module):
             out_dtype: Result dtype (the kernels accumulate in float32 and write it
                 directly); default the activations' dtype.
         """
-        out = quantized_matmul_op(x, self.weight, implementation=self.implementation,
-                                  out_dtype=out_dtype)  # [..., O]
+        weight = self.weight
+        matmul = functools.partial(quantized_matmul_op, implementation=self.implementation,
+                                   out_dtype=out_dtype)
+        rows, columns = (None if name is None else active_axis(name)
+                         for name in self.logical_axes)
+        if rows is None and columns is None:
+            out = matmul(x, weight)  # [..., O]
+        else:
+            out = _sharded_matmul(matmul, x, weight, rows, columns)  # [..., O]
         return out.reshape(*x.shape[:-1], *self.output_shape)  # [..., *output_shape]
 
     def dequantized(self) -> jax.Array:
@@ -91,6 +122,33 @@ class QuantizedLinear(nnx.Module):
         if self.zeros is not None:
             arrays.append(self.zeros[...])
         return sum(array.size * array.dtype.itemsize for array in arrays)
+
+
+def _sharded_matmul(matmul: Callable[[jax.Array, QuantizedWeight], jax.Array], x: jax.Array,
+                    weight: QuantizedWeight, rows: str | None, columns: str | None
+                    ) -> jax.Array:
+    """`matmul(x, weight)` per shard, the weight split over mesh axis `rows` (input
+    features: partial sums, all-reduced) or `columns` (output features)."""
+    if rows is not None and columns is not None:
+        raise ValueError(f"a quantized weight split on both its inputs ({rows!r}) and "
+                         f"outputs ({columns!r}) is not supported")
+    lead = (None,) * (x.ndim - 1)
+    grouped = weight.scales.ndim == 2
+    specs = QuantizedWeight(
+        weight.format, PartitionSpec(rows, columns),
+        PartitionSpec(rows, columns) if grouped else PartitionSpec(columns),
+        None if weight.zeros is None else PartitionSpec(rows, columns),
+        weight.group_size, weight.bits)
+    if columns is not None:
+        return jax.shard_map(matmul, in_specs=(PartitionSpec(), specs),
+                             out_specs=PartitionSpec(*lead, columns),
+                             check_vma=False)(x, weight)  # [..., O]
+
+    def partial_sums(x_shard: jax.Array, weight_shard: QuantizedWeight) -> jax.Array:
+        return jax.lax.psum(matmul(x_shard, weight_shard), rows)  # [..., O]
+
+    return jax.shard_map(partial_sums, in_specs=(PartitionSpec(*lead, rows), specs),
+                         out_specs=PartitionSpec(), check_vma=False)(x, weight)  # [..., O]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +201,23 @@ class LinearSite:
         value = self.layer[...]  # [*inputs, *outputs]
         self.layer[...] = matrix.reshape(value.shape).astype(value.dtype)
 
+    def logical_axes(self) -> tuple[str | None, str | None]:
+        """The logical axes of the flattened `[I, O]` matrix: of each side, the float
+        parameter's leading axis (flattening is row-major, so only a split of the leading
+        axis keeps each shard's features contiguous), or None when it has none."""
+        if self.is_quantized:
+            return self.layer.logical_axes
+        axes = self.layer.get_metadata().get("out_sharding") or ()
+        if not axes:
+            return None, None
+        return axes[0], axes[self.input_axes]
+
     def quantize(self, weight: QuantizedWeight, implementation: str = "auto") -> None:
-        """Puts a `QuantizedLinear` of `weight` in the parameter's place."""
+        """Puts a `QuantizedLinear` of `weight` in the parameter's place, with the float
+        parameter's logical axes."""
         setattr(self.owner, self.name,
-                QuantizedLinear(weight, self.output_shape(), implementation=implementation))
+                QuantizedLinear(weight, self.output_shape(), logical_axes=self.logical_axes(),
+                                implementation=implementation))
 
 
 def linear_sites(model: Transformer) -> list[LinearSite]:

@@ -54,7 +54,7 @@ from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.spec.verify import Verification, sampling_probabilities, verify
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
 from jaxinfer.multihost import StepChannel
-from jaxinfer.sharding import activate, active_axis
+from jaxinfer.sharding import activate, active_axis, parameter_shardings
 
 
 def power_of_two_buckets(smallest: int, largest: int, growth: int = 2) -> tuple[int, ...]:
@@ -223,7 +223,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, config: RunnerConfig, *, mesh: Mesh | None = None,
                  layout: str = "tensor_parallel", channel: StepChannel | None = None,
-                 channel_tag: int = 0) -> None:
+                 channel_tag: int = 0, abstract: bool = False) -> None:
         """Builds the page pool and the jitted steps (not yet compiled).
 
         Args:
@@ -237,12 +237,20 @@ class ModelRunner:
                 down it before the step runs; None: a single process.
             channel_tag: This runner's replica index, sent with each step so a follower
                 hands it to the same replica's runner.
+            abstract: `model` is abstract (`nnx.eval_shape`, as `abstract_model` builds it)
+                and nothing is allocated: the state and page pool are `ShapeDtypeStruct`s
+                carrying their shardings, and the runner can only `lower` its steps. This is
+                how a step is compiled ahead of time for devices that are described, not
+                attached (`jaxinfer.engine.aot`).
         """
         self.config = config
         self.model_config = model.config
         self.mesh = mesh
         self.layout = layout
+        self.abstract = abstract
         self.graphdef, self.state = nnx.split(model)
+        if abstract:
+            self.state = self._placed_abstract_state()
         self.pages, self.scales = self._allocate_pages()  # scales: None unless int8
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         if channel is not None and not channel.is_leader:
@@ -273,16 +281,34 @@ class ModelRunner:
                                         empty, dtype=config.cache_dtype)
             return cache.layers, cache.scales
 
-        if self.mesh is None:
+        if self.mesh is None and not self.abstract:
             return create()
+        shapes = jax.eval_shape(create)
+        if self.mesh is None:
+            return shapes
         with activate(self.mesh, self.layout):
             axis = active_axis("act_kv_heads")
         pool = NamedSharding(self.mesh, PartitionSpec(None, None, axis, None))
         scale = NamedSharding(self.mesh, PartitionSpec(None, None, axis))
-        shapes = jax.eval_shape(create)
         shardings = (tuple(pool for _ in shapes[0]),
                      None if shapes[1] is None else tuple(scale for _ in shapes[1]))
+        if self.abstract:
+            return jax.tree.map(
+                lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
+                                                             sharding=sharding),
+                shapes, shardings)
         return jax.jit(create, out_shardings=shardings)()
+
+    def _placed_abstract_state(self) -> nnx.State:
+        """The abstract model's state with each leaf's sharding on the mesh (replicated
+        leaves without a mesh), as `lower` needs its arguments."""
+        if self.mesh is None:
+            return self.state
+        shardings = parameter_shardings(self.state, self.mesh, self.layout)
+        return jax.tree.map(
+            lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                                         sharding=sharding),
+            self.state, shardings)
 
     # ------------------------------------------------------------------ device step
 
@@ -552,6 +578,30 @@ class ModelRunner:
         with activate(self.mesh, self.layout):
             self.pages, self.scales, result = step(self.state, self.pages, self.scales, inputs)
         return result
+
+    def lower(self, kind: str, num_tokens: int, num_seqs: int) -> jax.stages.Lowered:
+        """Lowers the step `kind` for one (T, Q) bucket without running it; `.compile()` it
+        for the compiled program, its memory and cost analyses and its HLO.
+
+        Works on an `abstract` runner too: then the mesh's devices need not be attached
+        (a TPU topology described on a CPU machine), and the Pallas kernels lower for the
+        mesh's TPU because the mesh is set while lowering.
+
+        Raises:
+            ValueError: An unknown step kind, or a bucket this runner does not compile.
+        """
+        if kind not in self._steps:
+            raise ValueError(f"unknown step kind {kind!r}; known: {list(STEP_KINDS)}")
+        if num_tokens not in self.config.token_buckets or (
+                num_seqs not in self.config.sequence_buckets):
+            raise ValueError(f"({num_tokens}, {num_seqs}) is not a bucket: tokens "
+                             f"{self.config.token_buckets}, sequences "
+                             f"{self.config.sequence_buckets}")
+        inputs = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
+            self._pack([], num_tokens, num_seqs))
+        with activate(self.mesh, self.layout):
+            return self._steps[kind].lower(self.state, self.pages, self.scales, inputs)
 
     def run_on_cache(self, program: Callable[..., tuple[Any, Any, Any]], *args: Any) -> Any:
         """Runs another program over this runner's model and page pool; returns its result.

@@ -31,6 +31,7 @@ from jaxinfer.quant.checkpoint import (
     read_quantization_config,
     save_quantized_model,
 )
+from jaxinfer.sharding import make_mesh
 
 # Mixed formats in one model: the rules, not one global format, decide.
 MIXED = QuantizationConfig(method="rtn", rules=(
@@ -78,6 +79,32 @@ def test_llm_greedy_output_equals_the_reference_path(saved):
     expected = generate(quantized, prompts, max_new_tokens=5, eos_token_ids=())
     llm = LLM(directory, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               bucket_growth=4)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+
+
+def test_a_quantized_checkpoint_splits_over_a_tensor_parallel_mesh(saved):
+    """Each quantized layer is split like the float weight it replaced (q/k/v/gate/up on
+    their outputs, o/down on their inputs, with their group scales and zero points), so a
+    chip holds 1/TP of it, and the TP=2 engine's greedy output equals the one-device
+    reference path of the same model."""
+    quantized, directory = saved
+    mesh = make_mesh({"model": 2}, devices=jax.devices()[:2])
+    loaded = load_model(directory, mesh=mesh)
+    block = loaded.layers[0]
+    q_proj, o_proj, down_proj = block.attention.q_proj, block.attention.o_proj, block.mlp.down_proj
+    assert q_proj.values[...].addressable_shards[0].data.shape == (32, 32)  # [I // 2, O / 2]
+    assert q_proj.zeros[...].addressable_shards[0].data.shape == (2, 32)  # [C, O / 2]
+    assert o_proj.values[...].addressable_shards[0].data.shape == (16, 64)  # [I / 2 // 2, O]
+    assert o_proj.scales[...].addressable_shards[0].data.shape == (1, 64)  # [C / 2, O]
+    assert down_proj.values[...].addressable_shards[0].data.shape == (64, 64)  # [I / 2, O]
+    assert down_proj.scales[...].addressable_shards[0].data.shape == (64,)  # [O], whole
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 512, size=length).tolist() for length in (3, 11, 30)]
+    expected = generate(quantized, prompts, max_new_tokens=5, eos_token_ids=())
+    llm = LLM(directory, tensor_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=64, bucket_growth=4)
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
                            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert [output.outputs[0].token_ids for output in outputs] == expected
