@@ -77,6 +77,11 @@ CASES = (
     aot.ServingCase(name="Mixtral-8x7B int8, v5p-8 EP2 x TP2", preset="mixtral-8x7b",
                     topology="v5p:2x2x1", tensor_parallel=2, expert_parallel=2,
                     weights="int8", options=OPTIONS),
+    aot.ServingCase(name="Llama-3-8B bf16 + Llama-3.2-1B drafter (R = 4), v5e-8 TP8",
+                    preset="llama-3-8b", topology="v5e:2x4", tensor_parallel=8,
+                    options=dict(OPTIONS, speculative={
+                        "method": "draft_model", "model": "random:llama-3.2-1b",
+                        "num_tokens": 4})),
 )
 
 DEPTH_CASE = CASES[4]  # compile time against depth: Llama-2-70B bf16 on v5p-16
@@ -156,6 +161,19 @@ def run_case(case: aot.ServingCase, log) -> dict:
     largest = (runner.config.max_num_batched_tokens, runner.config.max_num_seqs)
     report = aot.compile_step(runner, *largest)
     log(f"{case.name}: largest bucket {largest} compiled in {report.compile_seconds:.0f} s")
+    drafter = aot.abstract_drafter_runner(measure)
+    if drafter is not None:
+        # The drafter's step on the first chip, beside the target's shard, with the same
+        # page count: the pool that fits is shared out between the two.
+        draft = aot.compile_step(drafter, *largest)
+        fixed = (report.hbm_bytes - report.pool_bytes) + (draft.hbm_bytes - draft.pool_bytes)
+        result["drafter"] = dict(
+            compile_s=draft.compile_seconds, weights=draft.weight_bytes,
+            inputs=draft.argument_bytes - draft.weight_bytes - draft.pool_bytes,
+            temp=draft.temp_bytes, code=draft.code_bytes, page_bytes=aot.page_bytes(drafter),
+            largest_pages_shared=int((available_bytes(case.chip) - fixed)
+                                     // (aot.page_bytes(runner) + aot.page_bytes(drafter))))
+        log(f"{case.name}: drafter step compiled in {draft.compile_seconds:.0f} s")
     pages = aot.largest_pool(report, runner, available_bytes(case.chip))
     inputs = report.argument_bytes - report.weight_bytes - report.pool_bytes
     weights_plan = memory_plan.weight_bytes(config, case.weights) / tp
@@ -347,6 +365,32 @@ def render(results: list[dict], depths: list[tuple[int, float]], seconds: float)
         total = ", ".join(f"{count} {op}" for op, count in r["collectives_total"].items()
                           if count)
         lines.append(f"| {r['name']} | {per} | {once or '-'} | {total or '-'} |")
+    drafted = [r for r in results if "drafter" in r]
+    if drafted:
+        lines += [
+            "",
+            "### Speculative decoding with a draft model",
+            "",
+            "The drafter (`jaxinfer.engine.spec.draft_model`) runs on the first chip of the "
+            "replica, unsharded, with the target's page count; its step (largest bucket, "
+            "returning each drawn token's distribution) compiled for that chip. The target's "
+            "step takes the drafts and their [Q, R, V] float32 distributions as inputs. "
+            "Largest shared pool: the pages for which target shard and drafter both fit on "
+            "the first chip (the compiler checks each program alone, so this one is "
+            "arithmetic over their compiled sizes).",
+            "",
+            "| configuration | target inputs GiB | drafter weights GiB | drafter inputs GiB "
+            "| drafter temp GiB | drafter KV bytes/page | largest shared pool: pages / tokens "
+            "| drafter compile s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in drafted:
+            d = r["drafter"]
+            lines.append(
+                f"| {r['name']} | {_gib(r['inputs'])} | {_gib(d['weights'])} | "
+                f"{_gib(d['inputs'])} | {_gib(d['temp'])} | {d['page_bytes']:,} | "
+                f"{d['largest_pages_shared']:,} / "
+                f"{d['largest_pages_shared'] * r['page_size']:,} | {d['compile_s']:.0f} |")
     lines += [
         "",
         "### Compile time against depth",
@@ -376,6 +420,14 @@ def main() -> None:
     _ACCOUNTING["v5e"] = matmul_accounting("v5e")
     results: list[dict] = []
     depths: list[tuple[int, float]] = []
+    earlier = Path(args.out).with_suffix(".json")
+    if args.cases and earlier.exists():
+        # A partial run replaces its cases in the earlier run's results and keeps the rest.
+        previous = json.loads(earlier.read_text())
+        names = {case.name for case in chosen}
+        results = [r for r in previous["results"] if r["name"] not in names]
+        depths = [tuple(row) for row in previous["depths"]]
+        _AVAILABLE.update(previous["available"])
 
     def save() -> None:  # after every case, so a late failure loses nothing
         Path(args.out).with_suffix(".json").write_text(json.dumps(
@@ -388,6 +440,8 @@ def main() -> None:
     if not args.no_depth:
         depths = depth_times(log)
         save()
+    order = [case.name for case in CASES]
+    results.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
     elapsed = time.perf_counter() - started
     replace_section(Path(args.out), "serving-step", render(results, depths, elapsed),
                     title=TITLE)

@@ -416,6 +416,14 @@ PRESETS: dict[str, ModelConfig] = {
                                  high_freq_factor=4.0, original_max_position_embeddings=8192),
         max_position_embeddings=131072, bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009), param_dtype="bfloat16", dtype="bfloat16"),
+    # Llama-3-8B's drafter in speculative decoding: the same vocabulary, 1.2B parameters.
+    "llama-3.2-1b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+        rope_scaling=RopeScaling(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=8192),
+        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009), param_dtype="bfloat16", dtype="bfloat16"),
     "mistral-7b": ModelConfig(
         model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
         num_layers=32, num_heads=32, num_kv_heads=8, sliding_window=4096,

@@ -154,6 +154,29 @@ def abstract_runner(case: ServingCase, devices: Any = None) -> ModelRunner:
                        runner_config(config), mesh=mesh, abstract=True)
 
 
+def abstract_drafter_runner(case: ServingCase, devices: Any = None) -> ModelRunner | None:
+    """The abstract runner of `case`'s draft model (speculative "draft_model" with a
+    "random:PRESET" drafter), or None. The drafter runs on one device beside the target's
+    first shard (`jaxinfer.engine.spec.draft_model`), with the target's page count."""
+    from jaxinfer.engine.spec.draft_model import drafter_runner_config
+
+    config = case.engine_config()
+    speculative = config.speculative
+    if speculative is None or speculative.method != "draft_model":
+        return None
+    if not str(speculative.model).startswith("random:"):
+        raise ValueError(f"draft model {speculative.model!r}: the AOT cases take a "
+                         "'random:PRESET' drafter (shapes only)")
+    if devices is None:
+        from pallas_kernels.aot import topology_devices
+
+        devices = topology_devices(case.topology)
+    draft = get_preset(str(speculative.model).removeprefix("random:"))
+    return ModelRunner(abstract_serving_model(draft), drafter_runner_config(
+        runner_config(config)), mesh=make_mesh({"model": 1}, devices=list(devices)[:1]),
+        abstract=True)
+
+
 def count_collectives(hlo_text: str) -> dict[str, int]:
     """How many of each collective op the compiled HLO has (async `-start` ops count once,
     their `-done` halves not at all)."""

@@ -98,6 +98,14 @@ class DraftSequence:
         self.num_synced = len(real)
 
 
+def drafter_runner_config(target_config: RunnerConfig) -> RunnerConfig:
+    """The drafter runner's sizes: the target's pages, buckets and lengths, returning each
+    drawn token's distribution, without prompt logprobs, drafts or a quantized cache."""
+    return dataclasses.replace(
+        target_config, enable_prompt_logprobs=False, num_speculative_tokens=0,
+        draft_distributions=False, return_probabilities=True, cache_dtype=None)
+
+
 class DraftModelProposer:
     """Proposes R drafts (and their distributions) per request with a small model.
 
@@ -113,9 +121,7 @@ class DraftModelProposer:
 
     def __init__(self, model: Transformer, target_config: RunnerConfig, num_tokens: int) -> None:
         self.num_tokens = num_tokens
-        self.config = dataclasses.replace(
-            target_config, enable_prompt_logprobs=False, num_speculative_tokens=0,
-            draft_distributions=False, return_probabilities=True, cache_dtype=None)
+        self.config = drafter_runner_config(target_config)
         self.runner = ModelRunner(model, self.config)
         self.kv_cache_manager = KVCacheManager(self.config.num_pages, self.config.page_size,
                                                enable_prefix_caching=False)

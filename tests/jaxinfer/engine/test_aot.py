@@ -100,3 +100,22 @@ def test_roofline_takes_the_slower_of_compute_and_memory():
     assert aot.roofline_seconds(chip, 197e12, 1.0) == pytest.approx(1.0)
     assert aot.roofline_seconds(chip, 1.0, 819e9) == pytest.approx(1.0)
     assert np.isclose(aot.roofline_seconds(chip, 197e12, 2 * 819e9), 2.0)
+
+
+def test_the_drafter_runner_of_a_speculative_case():
+    speculative = {"method": "draft_model", "model": "random:tiny", "num_tokens": 2}
+    case = aot.ServingCase(name="spec", preset="tiny", topology="cpu", tensor_parallel=2,
+                           options=dict(SIZES, speculative=speculative))
+    target = aot.abstract_runner(case, devices=jax.devices())
+    drafter = aot.abstract_drafter_runner(case, devices=jax.devices())
+    assert target.config.num_speculative_tokens == 2 and target.config.draft_distributions
+    assert drafter.config.return_probabilities and drafter.config.num_speculative_tokens == 0
+    assert drafter.config.num_pages == target.config.num_pages
+    assert drafter.mesh.size == 1 and target.mesh.size == 2
+    assert aot.count_collectives(drafter.lower(STEP, 16, 4).compile().as_text()) == dict.fromkeys(
+        aot.COLLECTIVES, 0)
+    assert aot.abstract_drafter_runner(case.replace(options=SIZES)) is None
+    with pytest.raises(ValueError, match="random:PRESET"):
+        aot.abstract_drafter_runner(case.replace(options=dict(
+            SIZES, speculative=dict(speculative, model="/some/checkpoint"))),
+            devices=jax.devices())
