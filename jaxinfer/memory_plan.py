@@ -11,8 +11,9 @@ Conventions (the engine's):
 - the KV cache shards on KV heads; with more chips than KV heads each chip holds one head
   (the heads are replicated, as `jaxinfer.sharding` does);
 - weight formats: "bf16", "int8" (one f32 scale per output channel), "int4" (two values per
-  byte, one f32 scale and one int8 zero point per group of `group_size` input rows); the
-  embedding and LM head stay bf16 (the quantization rules' default);
+  byte, one f32 scale and one int8 zero point per group of `group_size` input rows) for the
+  dense block linears; the embedding, LM head and MoE expert stacks stay bf16 (what
+  `jaxinfer.quant.quantize_model` does: it quantizes the dense projections only);
 - KV formats: "bf16", "int8" (one f32 scale per token and KV head, for K and for V).
 """
 
@@ -53,11 +54,20 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 
 
-def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """`(K, N)` of every block linear weight (input features by output features)."""
+def linear_shapes(config: ModelConfig, *, quantizable_only: bool = False
+                  ) -> list[tuple[int, int]]:
+    """`(K, N)` of every block linear weight (input features by output features).
+
+    Args:
+        config: The model.
+        quantizable_only: Only the weights a weight format applies to: without the MoE
+            expert stacks, which stay bf16.
+    """
     d, h, f = config.hidden_size, config.head_dim, config.intermediate_size
     attention = [(d, config.num_heads * h), (d, config.num_kv_heads * h),
                  (d, config.num_kv_heads * h), (config.num_heads * h, d)]
+    if config.num_experts and quantizable_only:
+        return attention * config.num_layers
     experts = max(config.num_experts, 1)
     mlp = [(d, f), (d, f), (f, d)] * experts
     return (attention + mlp) * config.num_layers
@@ -86,14 +96,14 @@ def _linear_bytes(k: int, n: int, weight_format: str, group_size: int) -> int:
 
 def weight_bytes(config: ModelConfig, weight_format: str = "bf16", *,
                  group_size: int = 128) -> int:
-    """Bytes of all weights with the block linears in `weight_format`, the rest bf16.
+    """Bytes of all weights with the dense block linears in `weight_format`, the rest bf16.
 
     Raises:
         ValueError: An unknown format.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; known: {WEIGHT_FORMATS}")
-    shapes = linear_shapes(config)
+    shapes = linear_shapes(config, quantizable_only=True)
     linear = sum(_linear_bytes(k, n, weight_format, group_size) for k, n in shapes)
     rest = parameter_count(config) - sum(k * n for k, n in shapes)
     return linear + 2 * rest

@@ -78,7 +78,7 @@ def test_count_collectives_reads_sync_and_async_ops():
 
 @pytest.mark.parametrize("preset, tp, weights", [
     ("llama-3-8b", 8, "bf16"), ("llama-3-8b", 4, "int8"), ("llama-2-70b", 8, "int8"),
-    ("mixtral-8x7b", 4, "bf16")])
+    ("mixtral-8x7b", 4, "bf16"), ("mixtral-8x7b", 4, "int8")])
 def test_abstract_weights_per_chip_match_the_memory_plan(preset, tp, weights):
     """Real sizes, abstractly sharded on 8 CPU devices (nothing allocated): the sharded
     parameters' bytes per chip are the plan's W / TP to within 0.5% (norms are counted
