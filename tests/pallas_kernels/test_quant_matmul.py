@@ -182,13 +182,29 @@ def test_kernel_matches_reference(weight_format, group_size, symmetric, dtype, m
         assert _relative_error(actual, expected) < 1e-5
 
 
-def test_w8a8_int32_accumulator_is_exact():
+@pytest.mark.parametrize("int8_matmul", [True, False])
+def test_w8a8_int32_accumulator_is_exact(int8_matmul):
+    # int8_matmul=False is the TPU v4 path: int8 values multiplied as bf16, summed in f32.
     x_values = jax.random.randint(jax.random.key(9), (40, K), -127, 128).astype(jnp.int8)
     w_values = jax.random.randint(jax.random.key(10), (K, N), -127, 128).astype(jnp.int8)
-    actual = kernel.w8a8_int32_product(x_values, w_values, interpret=INTERPRET, **BLOCKS)
+    actual = kernel.w8a8_int32_product(x_values, w_values, interpret=INTERPRET,
+                                       int8_matmul=int8_matmul, **BLOCKS)
     assert actual.dtype == jnp.int32 and actual.shape == (40, N)
     np.testing.assert_array_equal(actual,
                                   reference.w8a8_int32_product_reference(x_values, w_values))
+
+
+def test_w8a8_float_path_sums_exactly_past_two_to_the_24():
+    # One block of 2048 rows of I: 2047 products of (-128)^2 = 2**14 and one of 1 sum to
+    # 2047 * 2**14 + 1, an odd number past 2**24 that float32 cannot hold; the float path
+    # stays exact only because it sums 1024 rows at a time in f32 and the chunks in int32.
+    depth = 2048
+    x_values = jnp.full((8, depth), -128, jnp.int8).at[:, -1].set(1)  # [T, I]
+    w_values = jnp.full((depth, 128), -128, jnp.int8).at[-1, :].set(1)  # [I, O]
+    actual = kernel.w8a8_int32_product(x_values, w_values, interpret=INTERPRET,
+                                       int8_matmul=False, block_m=32, block_n=128,
+                                       block_k=depth)
+    np.testing.assert_array_equal(actual, np.full((8, 128), 2047 * 2**14 + 1, np.int32))
 
 
 def test_kernel_output_dtype_defaults_to_activation_dtype():
