@@ -10,7 +10,8 @@ the output block leaves VMEM once.
            constant along I, so it multiplies the accumulator once at the end instead of
            every weight tile.
     int4   the packed weight tile is unpacked and dequantized (group-wise scales and
-           optional zero points) inside the kernel, one block of I at a time.
+           optional zero points) inside the kernel, one block of I at a time; a block holds
+           whole groups, or lies inside one group when groups are larger than a block.
     w8a8   activations are quantized per token in the wrapper (a token's scale needs its
            whole row, which no single block of I sees); int8 times int8 accumulates exactly
            in int32 and is rescaled on the last step. TPU v4's MXU has no int8 x int8 mode
@@ -173,7 +174,7 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zero
         accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
 
     half_k, block_n = packed_ref.shape  # block_k // 2, block_n
-    groups = scales_ref.shape[0]  # block_k // group_size
+    groups = scales_ref.shape[0]  # block_k // group_size (group_size <= block_k here)
     # Bit operations on int32: narrow integer vector ops lower poorly (or not at all) on
     # older TPU generations.
     packed = packed_ref[...].astype(jnp.int32)  # [half_k, block_n]
@@ -203,6 +204,15 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zero
     @pl.when(k_step == pl.num_programs(2) - 1)
     def _write():
         out_ref[...] = accumulator_ref[...].astype(out_ref.dtype)
+
+
+# The most rows of I an int4 block may hold when the kernel picks block_k. A block must hold
+# whole groups in whole 128-lane tiles (or lie inside one group, for groups that are multiples
+# of 128), so a group such as 200 forces block_k = lcm(128, 200) = 3200. Compiled for TPU v4
+# at M = 256, a group of 136 (block_k 2176) took 8.8 MiB of VMEM, about half the 16 MiB a
+# Mosaic kernel gets by default on v4, v5e and v5p; a group of 200 took 12.7 MiB and one of
+# 1000 (block_k 8000) failed to compile on v4, v5e and v5p.
+MAX_INT4_BLOCK_K = 2048
 
 
 def _split_even_odd_columns(x: jax.Array, block_k: int) -> jax.Array:
@@ -237,7 +247,8 @@ def int4_matmul(
         packed: `[I // 2, O]` uint8, two int4 values per byte, low nibble = even row.
         scales: `[C, O]` float32.
         zeros: `[C, O]` int8 zero points, or None for symmetric weights.
-        group_size: Rows of I per scale group; block_k must be a multiple of it.
+        group_size: Rows of I per scale group; block_k must be a multiple or a divisor
+            of it.
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
         out_dtype: Result dtype; defaults to the dtype of `x`.
         interpret: `pallas_call`'s interpret argument.
@@ -247,7 +258,8 @@ def int4_matmul(
 
     Raises:
         ValueError: Mismatched shapes; I not a multiple of group_size; I / O not multiples
-            of block_k / block_n; block_k not a multiple of group_size.
+            of block_k / block_n; block_k neither a multiple nor a divisor of group_size; a
+            group size that forces blocks over `MAX_INT4_BLOCK_K` rows (block_k unset).
     """
     half_k, n = packed.shape
     k = 2 * half_k
@@ -261,27 +273,41 @@ def int4_matmul(
                          f"{None if zeros is None else zeros.shape} must be {expected} for "
                          f"K={k}, N={n}, group_size={group_size}")
     m = x.shape[0]
+    chosen = block_k is None
     block_m, block_n, block_k = _resolve_blocks("int4", m, k, n, (block_m, block_n, block_k),
                                                 group_size)
-    if block_k % group_size:
-        raise ValueError(f"int4 matmul: block_k={block_k} is not a multiple of "
-                         f"group_size={group_size}")
-    groups = block_k // group_size
+    if chosen and block_k > MAX_INT4_BLOCK_K:
+        raise ValueError(
+            f"int4 matmul: group_size={group_size} with K={k} takes blocks of "
+            f"block_k={block_k} rows of I (whole groups in whole 128-lane tiles), over the "
+            f"{MAX_INT4_BLOCK_K} whose dequantized tiles fit TPU VMEM; use a group size that "
+            f"is a multiple of 128 or whose least common multiple with 128 is at most "
+            f"{MAX_INT4_BLOCK_K} (such as 32, 64, 96, 128, 256)")
+    if block_k % group_size and group_size % block_k:
+        raise ValueError(f"int4 matmul: block_k={block_k} is neither a multiple nor a divisor "
+                         f"of group_size={group_size}")
+    # A block holds `groups` whole groups, or lies inside one group (blocks_per_group of them
+    # share its scales): to the kernel, a group is then the block's rows.
+    block_group = min(group_size, block_k)
+    groups = block_k // block_group
+    blocks_per_group = group_size // block_group
     x_padded = _split_even_odd_columns(_pad_rows(x, block_m), block_k)  # [T', I]
     m_padded = x_padded.shape[0]
-    # [I / block_k, groups, O]: a block_k block's groups become a whole (full-size) second-minor
+    # [C / groups, groups, O]: a block's groups become a whole (full-size) second-minor
     # dimension, a legal block shape even when `groups` is 1 or 2, below the sublane tile.
-    group_spec = pl.BlockSpec((pl.Squeezed(), groups, block_n), lambda i, j, kk: (kk, 0, j))
-    operands = [x_padded, packed, scales.astype(jnp.float32).reshape(k // block_k, groups, n)]
+    group_spec = pl.BlockSpec((pl.Squeezed(), groups, block_n),
+                              lambda i, j, kk: (kk // blocks_per_group, 0, j))
+    operands = [x_padded, packed,
+                scales.astype(jnp.float32).reshape(k // group_size // groups, groups, n)]
     in_specs = [
         pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
         pl.BlockSpec((block_k // 2, block_n), lambda i, j, kk: (kk, j)),
         group_spec,
     ]
     if zeros is not None:
-        operands.append(zeros.astype(jnp.int8).reshape(k // block_k, groups, n))
+        operands.append(zeros.astype(jnp.int8).reshape(k // group_size // groups, groups, n))
         in_specs.append(group_spec)
-    kernel = functools.partial(_int4_kernel, group_size=group_size,
+    kernel = functools.partial(_int4_kernel, group_size=block_group,
                                has_zeros=zeros is not None)
     out = pl.pallas_call(
         kernel,

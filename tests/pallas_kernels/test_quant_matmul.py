@@ -237,13 +237,38 @@ def test_n_not_a_multiple_of_block_n_is_a_clear_error():
 def test_int4_group_size_errors():
     with pytest.raises(ValueError, match=r"group_size must be even and divide K; got K=96"):
         reference.quantize_int4_grouped(_random(17, (96, N)), 64)
+    weight = quantize_weight(_random(18, (384, N)), "int4", group_size=96)
+    with pytest.raises(ValueError,
+                       match=r"block_k=128 is neither a multiple nor a divisor of group_size=96"):
+        kernel.int4_matmul(_random(19, (8, 384)), weight.values, weight.scales, None,
+                           group_size=96, interpret=INTERPRET, **BLOCKS)
     weight = quantize_weight(_random(18, (K, N)), "int4", group_size=256)
-    with pytest.raises(ValueError, match=r"block_k=128 is not a multiple of group_size=256"):
-        kernel.int4_matmul(_random(19, (8, K)), weight.values, weight.scales, None,
-                           group_size=256, interpret=INTERPRET, **BLOCKS)
     with pytest.raises(ValueError, match=r"K=256 .* not a multiple of group_size=96"):
         kernel.int4_matmul(_random(19, (8, K)), weight.values, weight.scales, None,
                            group_size=96, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_blocks_inside_a_group_match_the_reference(symmetric):
+    # block_k = 128 rows of a 256-row group: two blocks of I share each group's scales.
+    weight = quantize_weight(_random(28, (2 * K, N)), "int4", group_size=256,
+                             symmetric=symmetric)
+    x = _random(29, (8, 2 * K))
+    actual = kernel.int4_matmul(x, weight.values, weight.scales, weight.zeros, group_size=256,
+                                interpret=INTERPRET, **BLOCKS)
+    expected = quantized_matmul(x, weight, implementation="xla")
+    assert _relative_error(actual, expected) < 1e-5
+
+
+def test_int4_group_too_large_for_a_block_is_refused_before_compiling():
+    # lcm(128, 1000) = 16000 > I = 4000: a block of whole groups in whole lane tiles is all
+    # 4000 rows of I, over the kernel's VMEM budget. The XLA path still takes the weight.
+    weight = quantize_weight(_random(30, (4000, 128)), "int4", group_size=1000)
+    x = _random(31, (4, 4000))
+    with pytest.raises(ValueError, match=r"group_size=1000 with K=4000 takes blocks of "
+                                         r"block_k=4000 rows of I.*over the 2048"):
+        quantized_matmul(x, weight, implementation="interpret")
+    assert quantized_matmul(x, weight, implementation="xla").shape == (4, 128)
 
 
 def test_mismatched_inner_dimension_is_a_clear_error():
@@ -304,6 +329,9 @@ def test_default_block_sizes_fit_the_shape():
     assert tuning.default_block_sizes("int4", 8, 768, 384, group_size=128) == (32, 128, 384)
     # No multiple of 128 divides 200: the whole dimension is one block.
     assert tuning.default_block_sizes("w8a8", 8, 200, 200) == (32, 200, 200)
+    # A group larger than the preferred block_k: block_k divides the group instead.
+    assert tuning.default_block_sizes("int4", 8, 14336, 4096, group_size=14336) == (32, 256, 512)
+    assert tuning.default_block_sizes("int4", 8, 4096, 4096, group_size=768) == (32, 256, 384)
 
 
 # --- larger shapes, default blocks (slow) ------------------------------------------------------
