@@ -7,18 +7,41 @@ devices need not exist here; a function lowered with `jax.ShapeDtypeStruct` inpu
 mesh of those devices, inside `jax.set_mesh` (so Pallas asks the mesh, not the CPU, which TPU it
 targets), compiles for that TPU.
 
-`compile_for(topology, build)` does that and returns an `AotResult` instead of raising: a
-compile failure is a result (`ok=False`, `error=` the compiler's message), so a case table can
-report every failure. `tpu_compiler_available()` says whether libtpu is here at all; this
-module imports nothing beyond jax at import time, so it loads in the CPU-only environment.
+`compile_for(topology, function, arguments)` does that and returns an `AotResult` instead of
+raising: a compile failure is a result (`ok=False`, `error=` the compiler's message), so a case
+table can report every failure. `tpu_compiler_available()` says whether libtpu is here at all;
+this module imports nothing beyond jax at import time, so it loads in the CPU-only environment.
+
+VMEM. A Mosaic kernel's VMEM is two parts, reported apart and added in
+`AotResult.vmem_bytes`:
+
+- scoped: what the TPU compiler allocated to the kernel itself, its BlockSpec pipeline
+  buffers (double-buffered blocks) and Mosaic's internal scratch. The compiled program's
+  HLO carries it in each kernel's custom call config, `"used_scoped_memory_configs"`,
+  memory space 1 being VMEM (the space `pltpu.CompilerParams(vmem_limit_bytes=)` sets, see
+  jax's `_src/tpu_custom_call.py`). This is the compiler's own figure; it must fit
+  `DEFAULT_SCOPED_VMEM`, the limit the compiler enforces on it by default.
+- scratch: the kernel's `scratch_shapes` in VMEM, which XLA allocates as separate operands
+  that the figure above leaves out (a `tpu_aot` test shows both). Computed from the traced
+  `pallas_call`: each scratch shape padded to the memref tiling Mosaic gives it, as jax's
+  mirror of that rule (`tpu_info.infer_tiling`) computes it.
+
+Their sum must fit `vmem_capacity(chip)`: one TensorCore's VMEM from jax's hardware table
+(`pltpu.get_tpu_info_for_chip`), which the compiler agrees with (a kernel asking for more
+fails with "would exceed memory (size=N)", N the same figure; a `tpu_aot` test checks each
+chip).
+
+The kernel case tables (the compile matrix) are in `pallas_kernels/aot_cases.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -45,15 +68,40 @@ class AotResult:
     generated_code_bytes: int | None = None
     flops: float | None = None
     bytes_accessed: float | None = None
+    kernel_scoped_vmem: tuple[int, ...] = ()
+    kernel_scratch_vmem: tuple[int, ...] = ()
+
+    @property
+    def scoped_vmem_bytes(self) -> int | None:
+        """The most scoped VMEM (pipeline buffers and internal scratch, the compiler's figure)
+        of any Mosaic kernel in the program, or None when it has none."""
+        return max(self.kernel_scoped_vmem) if self.kernel_scoped_vmem else None
+
+    @property
+    def scratch_vmem_bytes(self) -> int | None:
+        """The most VMEM scratch operands (computed from their shapes) of any kernel."""
+        return max(self.kernel_scratch_vmem) if self.kernel_scratch_vmem else None
+
+    @property
+    def vmem_bytes(self) -> int | None:
+        """A Mosaic kernel's whole VMEM, scoped plus scratch: exact for a program of one
+        kernel, the largest of each part (an upper bound) for several; kernels run one at a
+        time, so this is what must fit. None when the program has no Mosaic kernel."""
+        if self.scoped_vmem_bytes is None:
+            return None
+        return self.scoped_vmem_bytes + (self.scratch_vmem_bytes or 0)
 
 
 def tpu_compiler_available() -> bool:
-    """Whether this environment can compile for TPU (libtpu installed and matching jaxlib)."""
-    try:
-        topology_devices("v5e")
-    except Exception:  # any failure means: no TPU compiler here
-        return False
-    return True
+    """Whether libtpu, the TPU compiler, is installed in this environment.
+
+    Only whether it is installed: where it is but fails to load (a libtpu that does not match
+    jaxlib, say), every compile reports the failure, so a broken TPU environment fails its
+    checks instead of skipping them.
+    """
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
 
 
 @functools.cache
@@ -62,9 +110,90 @@ def topology_devices(topology: str) -> tuple[Any, ...]:
     ("v5e") or a topology name ("v5e:2x4")."""
     from jax.experimental import topologies
 
+    # libtpu takes a lock file (/tmp/libtpu_lockfile) so that two processes do not drive one
+    # TPU; describing a topology and compiling for it attach to no chip, so another process
+    # holding the lock (a second check, a colleague's compile) must not stop this one.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     name = TOPOLOGIES.get(topology, topology)
     description = topologies.get_topology_desc(platform="tpu", topology_name=name)
     return tuple(description.devices)
+
+
+def vmem_capacity(topology: str) -> int:
+    """VMEM bytes of one TensorCore of `topology`'s chip (a `TOPOLOGIES` key or a topology
+    name), from jax's table of TPU hardware (`pltpu.get_tpu_info_for_chip`): 16 MiB on v4,
+    128 MiB on v5e and v6e, 64 MiB on v5p in jax 0.10.2. A Mosaic kernel runs on one
+    TensorCore (megacore chips split a kernel's parallel grid over two cores with their own
+    VMEM), so this is what a kernel's VMEM must fit."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    device = topology_devices(topology)[0]
+    chip = TOPOLOGIES.get(topology, topology).split(":")[0]
+    info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), getattr(device, "num_cores", 1))
+    return int(info.vmem_capacity_bytes)
+
+
+# The VMEM a Mosaic kernel may use by default (XLA's --xla_tpu_scoped_vmem_limit_kib; a kernel
+# may ask for more with `pltpu.CompilerParams(vmem_limit_bytes=)`, which ours do not), as libtpu
+# 0.0.42.1 states it when a kernel goes over: "Scoped allocation with size ... and limit
+# 16.00M" for v5e and v5p, "limit 32.00M" for v6e; on v4 the whole 16 MiB ("Used ... of 16.00M
+# vmem. Exceeded vmem capacity"). A `tpu_aot` test reads these messages again for each chip.
+DEFAULT_SCOPED_VMEM = {"v4": 16 * 2**20, "v5e": 16 * 2**20, "v5p": 16 * 2**20,
+                       "v6e": 32 * 2**20}
+
+
+# In a compiled program's HLO text, the backend config of each Mosaic kernel (a
+# "tpu_custom_call") ends with the scoped memory the compiler gave it, one entry per memory
+# space; space 1 is VMEM.
+_SCOPED_CONFIGS = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
+_VMEM_ENTRY = re.compile(r'\{"memory_space":"1","offset":"\d+","size":"(\d+)"\}')
+
+
+def kernel_scoped_vmem(hlo_text: str) -> tuple[int, ...]:
+    """The scoped VMEM each Mosaic kernel in a compiled program's HLO text was given."""
+    sizes = []
+    for line in hlo_text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        configs = _SCOPED_CONFIGS.search(line)
+        entries = _VMEM_ENTRY.findall(configs.group(1)) if configs else []
+        sizes.append(sum(int(size) for size in entries))
+    return tuple(sizes)
+
+
+def _pallas_calls(jaxpr: Any) -> Iterator[Any]:
+    """Every `pallas_call` equation of a jaxpr, nested ones (inside jit, ...) included."""
+    from jax.extend import core
+
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "pallas_call":
+            yield equation
+            continue
+        for parameter in equation.params.values():
+            inner = parameter.jaxpr if isinstance(parameter, core.ClosedJaxpr) else parameter
+            if isinstance(inner, core.Jaxpr):
+                yield from _pallas_calls(inner)
+
+
+def _tiled_bytes(aval: Any) -> int:
+    """Bytes of an array in VMEM, its trailing dims padded to Mosaic's memref tiling (traced
+    inside `jax.set_mesh`, so the tiling is the target TPU's)."""
+    import numpy as np
+    from jax._src.pallas.mosaic import tpu_info
+
+    tiling = tpu_info.infer_tiling(aval)
+    padded = [-(-size // tile) * tile for size, tile in zip(aval.shape, tiling, strict=True)]
+    return int(np.prod(padded, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def kernel_scratch_vmem(jaxpr: Any) -> tuple[int, ...]:
+    """Bytes of the VMEM scratch operands of each `pallas_call` in a traced program."""
+    sizes = []
+    for equation in _pallas_calls(jaxpr):
+        scratch = equation.params["grid_mapping"].scratch_avals
+        sizes.append(sum(_tiled_bytes(ref.inner_aval) for ref in scratch
+                         if str(getattr(ref, "memory_space", "")) == "vmem"))
+    return tuple(sizes)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -100,12 +229,14 @@ def compile_for(
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
-            compiled = jax.jit(bound).lower(*placed).compile()
+            traced = jax.jit(bound).trace(*placed)
+            compiled = traced.lower().compile()
+            seconds = time.perf_counter() - start
+            scratch = kernel_scratch_vmem(traced.jaxpr.jaxpr)
     except Exception as error:  # a compile failure is a result here
         message = "\n".join(str(error).strip().splitlines()[:6])
         return AotResult(topology, False, time.perf_counter() - start,
                          error=f"{type(error).__name__}: {message}")
-    seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):  # older jax: one dict per program
@@ -117,74 +248,9 @@ def compile_for(
         output_bytes=_int_or_none(getattr(memory, "output_size_in_bytes", None)),
         temp_bytes=_int_or_none(getattr(memory, "temp_size_in_bytes", None)),
         generated_code_bytes=_int_or_none(getattr(memory, "generated_code_size_in_bytes", None)),
-        flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"))
-
-
-# ---- ragged paged attention cases ---------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionCase:
-    """A ragged paged attention step, described by sizes only."""
-
-    name: str
-    num_tokens: int  # T, packed query tokens
-    max_seqs: int  # Q
-    num_kv_heads: int = 8
-    group: int = 4
-    head_dim: int = 128
-    page_size: int = 16
-    pages_per_seq: int = 32
-    num_pages: int = 1024
-    int8_kv: bool = False
-    sliding_window: int | None = None
-    soft_cap: float | None = None
-
-
-def attention_arguments(case: AttentionCase) -> list[jax.ShapeDtypeStruct]:
-    """The public op's array arguments for `case` (kv_scales last, when int8)."""
-    import jax.numpy as jnp
-
-    pages_dtype = jnp.int8 if case.int8_kv else jnp.bfloat16
-    arguments = [
-        jax.ShapeDtypeStruct((case.num_tokens, case.num_kv_heads * case.group, case.head_dim),
-                             jnp.bfloat16),
-        jax.ShapeDtypeStruct((case.num_pages, case.page_size, 2 * case.num_kv_heads,
-                              case.head_dim), pages_dtype),
-        jax.ShapeDtypeStruct((case.max_seqs,), jnp.int32),
-        jax.ShapeDtypeStruct((case.max_seqs, case.pages_per_seq), jnp.int32),
-        jax.ShapeDtypeStruct((case.max_seqs + 1,), jnp.int32),
-        jax.ShapeDtypeStruct((1,), jnp.int32),
-    ]
-    if case.int8_kv:
-        arguments.append(jax.ShapeDtypeStruct(
-            (case.num_pages, case.page_size, 2 * case.num_kv_heads), jnp.float32))
-    return arguments
-
-
-def _attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None,
-               *, sm_scale, sliding_window, soft_cap):
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
-    return ragged_paged_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                  sm_scale=sm_scale, sliding_window=sliding_window,
-                                  soft_cap=soft_cap, kv_scales=kv_scales,
-                                  implementation="pallas")
-
-
-def compile_attention(topology: str, case: AttentionCase) -> AotResult:
-    """Compiles the public ragged paged attention op (forced to the Pallas kernel) for `case`."""
-    return compile_for(topology, _attention, attention_arguments(case), static_kwargs=dict(
-        sm_scale=case.head_dim ** -0.5, sliding_window=case.sliding_window,
-        soft_cap=case.soft_cap))
-
-
-# Decode-only: one token for each of 64 sequences; mixed: 256 tokens, prefill chunks and decodes.
-ATTENTION_CASES = tuple(
-    AttentionCase(f"{batch}-{'int8' if int8 else 'bf16'}", num_tokens=tokens, max_seqs=seqs,
-                  int8_kv=int8)
-    for batch, tokens, seqs in (("decode", 64, 64), ("mixed", 256, 64))
-    for int8 in (False, True))
+        flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
+        kernel_scoped_vmem=kernel_scoped_vmem(compiled.as_text()),
+        kernel_scratch_vmem=scratch)
 
 
 def format_bytes(count: int | None) -> str:

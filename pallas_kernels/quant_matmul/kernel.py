@@ -10,10 +10,13 @@ the output block leaves VMEM once.
            constant along I, so it multiplies the accumulator once at the end instead of
            every weight tile.
     int4   the packed weight tile is unpacked and dequantized (group-wise scales and
-           optional zero points) inside the kernel, one block of I at a time.
+           optional zero points) inside the kernel, one block of I at a time; a block holds
+           whole groups, or lies inside one group when groups are larger than a block.
     w8a8   activations are quantized per token in the wrapper (a token's scale needs its
            whole row, which no single block of I sees); int8 times int8 accumulates exactly
-           in int32 and is rescaled on the last step.
+           in int32 and is rescaled on the last step. TPU v4's MXU has no int8 x int8 mode
+           (Mosaic rejects the int8 dot there); on such a chip the kernel multiplies the int8
+           values as bf16 with f32 sums, which is still exact (see `_w8a8_kernel`).
 
 Float paths compute in float32 (bf16 activations are upcast in VMEM) so they agree with
 `reference.py` to float32 rounding. Ragged T is padded in the wrapper and sliced off the
@@ -171,7 +174,7 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zero
         accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
 
     half_k, block_n = packed_ref.shape  # block_k // 2, block_n
-    groups = scales_ref.shape[0]  # block_k // group_size
+    groups = scales_ref.shape[0]  # block_k // group_size (group_size <= block_k here)
     # Bit operations on int32: narrow integer vector ops lower poorly (or not at all) on
     # older TPU generations.
     packed = packed_ref[...].astype(jnp.int32)  # [half_k, block_n]
@@ -201,6 +204,15 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zero
     @pl.when(k_step == pl.num_programs(2) - 1)
     def _write():
         out_ref[...] = accumulator_ref[...].astype(out_ref.dtype)
+
+
+# The most rows of I an int4 block may hold when the kernel picks block_k. A block must hold
+# whole groups in whole 128-lane tiles (or lie inside one group, for groups that are multiples
+# of 128), so a group such as 200 forces block_k = lcm(128, 200) = 3200. Compiled for TPU v4
+# at M = 256, a group of 136 (block_k 2176) took 8.8 MiB of VMEM, about half the 16 MiB a
+# Mosaic kernel gets by default on v4, v5e and v5p; a group of 200 took 12.7 MiB and one of
+# 1000 (block_k 8000) failed to compile on v4, v5e and v5p.
+MAX_INT4_BLOCK_K = 2048
 
 
 def _split_even_odd_columns(x: jax.Array, block_k: int) -> jax.Array:
@@ -235,7 +247,8 @@ def int4_matmul(
         packed: `[I // 2, O]` uint8, two int4 values per byte, low nibble = even row.
         scales: `[C, O]` float32.
         zeros: `[C, O]` int8 zero points, or None for symmetric weights.
-        group_size: Rows of I per scale group; block_k must be a multiple of it.
+        group_size: Rows of I per scale group; block_k must be a multiple or a divisor
+            of it.
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
         out_dtype: Result dtype; defaults to the dtype of `x`.
         interpret: `pallas_call`'s interpret argument.
@@ -245,7 +258,8 @@ def int4_matmul(
 
     Raises:
         ValueError: Mismatched shapes; I not a multiple of group_size; I / O not multiples
-            of block_k / block_n; block_k not a multiple of group_size.
+            of block_k / block_n; block_k neither a multiple nor a divisor of group_size; a
+            group size that forces blocks over `MAX_INT4_BLOCK_K` rows (block_k unset).
     """
     half_k, n = packed.shape
     k = 2 * half_k
@@ -259,27 +273,41 @@ def int4_matmul(
                          f"{None if zeros is None else zeros.shape} must be {expected} for "
                          f"K={k}, N={n}, group_size={group_size}")
     m = x.shape[0]
+    chosen = block_k is None
     block_m, block_n, block_k = _resolve_blocks("int4", m, k, n, (block_m, block_n, block_k),
                                                 group_size)
-    if block_k % group_size:
-        raise ValueError(f"int4 matmul: block_k={block_k} is not a multiple of "
-                         f"group_size={group_size}")
-    groups = block_k // group_size
+    if chosen and block_k > MAX_INT4_BLOCK_K:
+        raise ValueError(
+            f"int4 matmul: group_size={group_size} with K={k} takes blocks of "
+            f"block_k={block_k} rows of I (whole groups in whole 128-lane tiles), over the "
+            f"{MAX_INT4_BLOCK_K} whose dequantized tiles fit TPU VMEM; use a group size that "
+            f"is a multiple of 128 or whose least common multiple with 128 is at most "
+            f"{MAX_INT4_BLOCK_K} (such as 32, 64, 96, 128, 256)")
+    if block_k % group_size and group_size % block_k:
+        raise ValueError(f"int4 matmul: block_k={block_k} is neither a multiple nor a divisor "
+                         f"of group_size={group_size}")
+    # A block holds `groups` whole groups, or lies inside one group (blocks_per_group of them
+    # share its scales): to the kernel, a group is then the block's rows.
+    block_group = min(group_size, block_k)
+    groups = block_k // block_group
+    blocks_per_group = group_size // block_group
     x_padded = _split_even_odd_columns(_pad_rows(x, block_m), block_k)  # [T', I]
     m_padded = x_padded.shape[0]
-    # [I / block_k, groups, O]: a block_k block's groups become a whole (full-size) second-minor
+    # [C / groups, groups, O]: a block's groups become a whole (full-size) second-minor
     # dimension, a legal block shape even when `groups` is 1 or 2, below the sublane tile.
-    group_spec = pl.BlockSpec((pl.Squeezed(), groups, block_n), lambda i, j, kk: (kk, 0, j))
-    operands = [x_padded, packed, scales.astype(jnp.float32).reshape(k // block_k, groups, n)]
+    group_spec = pl.BlockSpec((pl.Squeezed(), groups, block_n),
+                              lambda i, j, kk: (kk // blocks_per_group, 0, j))
+    operands = [x_padded, packed,
+                scales.astype(jnp.float32).reshape(k // group_size // groups, groups, n)]
     in_specs = [
         pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
         pl.BlockSpec((block_k // 2, block_n), lambda i, j, kk: (kk, j)),
         group_spec,
     ]
     if zeros is not None:
-        operands.append(zeros.astype(jnp.int8).reshape(k // block_k, groups, n))
+        operands.append(zeros.astype(jnp.int8).reshape(k // group_size // groups, groups, n))
         in_specs.append(group_spec)
-    kernel = functools.partial(_int4_kernel, group_size=group_size,
+    kernel = functools.partial(_int4_kernel, group_size=block_group,
                                has_zeros=zeros is not None)
     out = pl.pallas_call(
         kernel,
@@ -298,16 +326,45 @@ def int4_matmul(
 # --- W8A8: int8 activations (quantized per token) times int8 weights -------------------------
 
 
+# Rows of I whose int8 products a float32 sum holds exactly: every |product| is at most
+# 128 * 128 = 2**14, so 1024 of them sum to at most 2**24, below which float32 holds every
+# integer.
+_EXACT_F32_ROWS = 1024
+
+
+def int8_matmul_units() -> bool:
+    """Whether the TPU being compiled for multiplies int8 by int8 on its MXU (v5e and later;
+    not v4). Read when tracing: the TPU is the one of the mesh set by `jax.set_mesh` (how an
+    ahead-of-time compile names it), else the default device's."""
+    try:
+        info = pltpu.get_tpu_info()
+    except ValueError:  # not a TPU: the kernel cannot compile here anyway, nothing to adapt
+        return True
+    return info.is_matmul_supported(jnp.int8, jnp.int8)
+
+
 def _w8a8_kernel(x_ref, x_scales_ref, weight_ref, weight_scales_ref, out_ref, accumulator_ref,
-                 *, rescale: bool):
+                 *, rescale: bool, int8_matmul: bool):
     k_step = pl.program_id(2)
 
     @pl.when(k_step == 0)
     def _zero():
         accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
 
-    accumulator_ref[...] += jax.lax.dot(x_ref[...], weight_ref[...],
-                                        preferred_element_type=jnp.int32)  # [block_m, block_n]
+    if int8_matmul:
+        accumulator_ref[...] += jax.lax.dot(x_ref[...], weight_ref[...],
+                                            preferred_element_type=jnp.int32)  # [block_m, block_n]
+    else:
+        # No int8 x int8 MXU mode (TPU v4): int8 values are exact in bf16 (8 significant bits),
+        # their products exact in the f32 sum, and the sum of up to `_EXACT_F32_ROWS` of them
+        # too, so each chunk of that many rows of I is summed in f32 and added as an integer.
+        block_k = x_ref.shape[1]
+        for start in range(0, block_k, _EXACT_F32_ROWS):
+            stop = min(start + _EXACT_F32_ROWS, block_k)
+            partial = jax.lax.dot(x_ref[:, start:stop].astype(jnp.bfloat16),
+                                  weight_ref[start:stop, :].astype(jnp.bfloat16),
+                                  preferred_element_type=jnp.float32)  # [block_m, block_n]
+            accumulator_ref[...] += partial.astype(jnp.int32)
 
     @pl.when(k_step == pl.num_programs(2) - 1)
     def _write():
@@ -330,9 +387,12 @@ def _w8a8_call(
     out_dtype: jnp.dtype,
     rescale: bool,
     interpret: bool | pltpu.InterpretParams,
+    int8_matmul: bool | None,
 ) -> jax.Array:
     k, n = weight_values.shape
     _check_inner_dimension("w8a8", x_values, k, n)
+    if int8_matmul is None:
+        int8_matmul = bool(interpret) or int8_matmul_units()
     m = x_values.shape[0]
     block_m, block_n, block_k = _resolve_blocks("w8a8", m, k, n, blocks)
     x_padded = _pad_rows(x_values, block_m)  # [T', I] int8
@@ -340,7 +400,7 @@ def _w8a8_call(
                                 1.0)  # [T', 1]
     m_padded = x_padded.shape[0]
     out = pl.pallas_call(
-        functools.partial(_w8a8_kernel, rescale=rescale),
+        functools.partial(_w8a8_kernel, rescale=rescale, int8_matmul=int8_matmul),
         out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype if rescale else jnp.int32),
         grid=_grid(m_padded, n, k, block_m, block_n, block_k),
         in_specs=[
@@ -359,7 +419,7 @@ def _w8a8_call(
     return out[:m]  # [T, O]
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "int8_matmul"))
 def w8a8_matmul(
     x: jax.Array,
     values: jax.Array,
@@ -370,6 +430,7 @@ def w8a8_matmul(
     block_k: int | None = None,
     out_dtype: jnp.dtype | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    int8_matmul: bool | None = None,
 ) -> jax.Array:
     """Quantizes `x` per token to int8, multiplies in int32 in the kernel, then rescales.
 
@@ -380,6 +441,9 @@ def w8a8_matmul(
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
         out_dtype: Result dtype; defaults to the dtype of `x`.
         interpret: `pallas_call`'s interpret argument.
+        int8_matmul: Multiply int8 by int8 on the MXU (True) or as bf16 with exact f32 chunk
+            sums (False); None: the former where the target TPU can (`int8_matmul_units`)
+            and in interpret mode.
 
     Returns:
         `[T, O]`.
@@ -390,10 +454,11 @@ def w8a8_matmul(
     x_values, x_scales = reference.quantize_per_token_int8(x)  # [T, I] int8, [T]
     return _w8a8_call(x_values, x_scales, values, scales,
                       blocks=(block_m, block_n, block_k), out_dtype=out_dtype or x.dtype,
-                      rescale=True, interpret=interpret)
+                      rescale=True, interpret=interpret, int8_matmul=int8_matmul)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret",
+                                             "int8_matmul"))
 def w8a8_int32_product(
     x_values: jax.Array,
     weight_values: jax.Array,
@@ -402,6 +467,7 @@ def w8a8_int32_product(
     block_n: int | None = None,
     block_k: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    int8_matmul: bool | None = None,
 ) -> jax.Array:
     """The W8A8 kernel's int32 accumulator, before rescaling (for exact tests).
 
@@ -410,6 +476,7 @@ def w8a8_int32_product(
         weight_values: `[I, O]` int8 weights.
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
         interpret: `pallas_call`'s interpret argument.
+        int8_matmul: As for `w8a8_matmul`.
 
     Returns:
         `[T, O]` int32.
@@ -419,4 +486,4 @@ def w8a8_int32_product(
     ones_n = jnp.ones((n,), jnp.float32)  # [O]
     return _w8a8_call(x_values, ones_m, weight_values, ones_n,
                       blocks=(block_m, block_n, block_k), out_dtype=jnp.int32,
-                      rescale=False, interpret=interpret)
+                      rescale=False, interpret=interpret, int8_matmul=int8_matmul)

@@ -9,7 +9,10 @@ benchmark results when there are some.
 to the (padded) token count, so a decode step with 8 tokens does not pad to 128 rows;
 block_n and block_k to the largest multiple of the hardware tile (and of the int4 group
 size) that divides the dimension, or to the whole dimension when none does (a block that
-spans the full dimension is always a legal Pallas block).
+spans the full dimension is always a legal Pallas block). An int4 group larger than the
+preferred block_k is split instead: block_k divides the group (every block then lies in one
+group), as a block of whole large groups (one group of all 14336 rows, say) needs more VMEM
+than a TPU gives a kernel by default.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ def default_block_sizes(
         m: Tokens (rows of x).
         k: Input features.
         n: Output features.
-        group_size: The int4 scale group; block_k is kept a multiple of it.
+        group_size: The int4 scale group; block_k is kept a multiple of it, or a divisor
+            of it when the group is larger than the preferred block_k and a multiple of the
+            128-lane tile.
 
     Returns:
         Block sizes; block_n divides n and block_k divides k, block_m may need padding.
@@ -64,6 +69,9 @@ def default_block_sizes(
     block_m, block_n, block_k = DEFAULT_BLOCK_SIZES.get(weight_format, GENERIC_BLOCK_SIZES)
     block_m = min(block_m, round_up(m, ROW_MULTIPLE))
     block_n = _largest_dividing_block(n, block_n, LANE_MULTIPLE)
+    if group_size and group_size > block_k and group_size % LANE_MULTIPLE == 0:
+        # A divisor of the group divides I too (I is a multiple of the group).
+        return block_m, block_n, _largest_dividing_block(group_size, block_k, LANE_MULTIPLE)
     k_multiple = math.lcm(LANE_MULTIPLE, group_size) if group_size else LANE_MULTIPLE
     block_k = _largest_dividing_block(k, max(block_k, k_multiple), k_multiple)
     return block_m, block_n, block_k

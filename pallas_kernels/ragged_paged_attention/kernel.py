@@ -12,6 +12,7 @@ The grid is `(K / E, T / block_tokens)`; both axes are independent ("parallel").
 E is 1 for float pages. For int8 pages it is 4 (or K when K is not a multiple of 4): HBM tiles
 an int8 `[2K, H]` row in `(8, 128)` tiles, so a page copy may only start at a multiple of 8 on
 the combined head axis, i.e. at every fourth KV head; one head's 2 rows cannot be copied alone.
+With one head block (E = K) the copy starts at a static row 0, aligned whatever the tiling.
 
 Inside a program. Page tables, lengths and query offsets are scalar-prefetched into SMEM.
 For every sequence whose tokens intersect the tile, the kernel walks that sequence's pages in
@@ -68,7 +69,13 @@ def _kernel(
     # value pages; semaphores [2, pages_per_block]; running_max, denominator [E, rows, 1] f32;
     # accumulator [E, rows, H] f32.
     head_block = pl.program_id(0)
-    first_row = pl.multiple_of(head_block * (2 * heads_per_block), 2 * heads_per_block)
+    if kv_pages_hbm.shape[2] == 2 * heads_per_block:
+        # One program owns every head: a static 0, which Mosaic knows is tile-aligned. The
+        # dynamic `0 * 2E` is only known to be a multiple of 2E, and HBM tiles a narrow int8
+        # head axis (2K = 2: one KV head, as at TP = K) in 4 rows, so Mosaic rejected it.
+        first_row = 0
+    else:
+        first_row = pl.multiple_of(head_block * (2 * heads_per_block), 2 * heads_per_block)
     tile = pl.program_id(1)
     page_size = buffer.shape[2]
     rows = block_tokens * group

@@ -182,13 +182,29 @@ def test_kernel_matches_reference(weight_format, group_size, symmetric, dtype, m
         assert _relative_error(actual, expected) < 1e-5
 
 
-def test_w8a8_int32_accumulator_is_exact():
+@pytest.mark.parametrize("int8_matmul", [True, False])
+def test_w8a8_int32_accumulator_is_exact(int8_matmul):
+    # int8_matmul=False is the TPU v4 path: int8 values multiplied as bf16, summed in f32.
     x_values = jax.random.randint(jax.random.key(9), (40, K), -127, 128).astype(jnp.int8)
     w_values = jax.random.randint(jax.random.key(10), (K, N), -127, 128).astype(jnp.int8)
-    actual = kernel.w8a8_int32_product(x_values, w_values, interpret=INTERPRET, **BLOCKS)
+    actual = kernel.w8a8_int32_product(x_values, w_values, interpret=INTERPRET,
+                                       int8_matmul=int8_matmul, **BLOCKS)
     assert actual.dtype == jnp.int32 and actual.shape == (40, N)
     np.testing.assert_array_equal(actual,
                                   reference.w8a8_int32_product_reference(x_values, w_values))
+
+
+def test_w8a8_float_path_sums_exactly_past_two_to_the_24():
+    # One block of 2048 rows of I: 2047 products of (-128)^2 = 2**14 and one of 1 sum to
+    # 2047 * 2**14 + 1, an odd number past 2**24 that float32 cannot hold; the float path
+    # stays exact only because it sums 1024 rows at a time in f32 and the chunks in int32.
+    depth = 2048
+    x_values = jnp.full((8, depth), -128, jnp.int8).at[:, -1].set(1)  # [T, I]
+    w_values = jnp.full((depth, 128), -128, jnp.int8).at[-1, :].set(1)  # [I, O]
+    actual = kernel.w8a8_int32_product(x_values, w_values, interpret=INTERPRET,
+                                       int8_matmul=False, block_m=32, block_n=128,
+                                       block_k=depth)
+    np.testing.assert_array_equal(actual, np.full((8, 128), 2047 * 2**14 + 1, np.int32))
 
 
 def test_kernel_output_dtype_defaults_to_activation_dtype():
@@ -221,13 +237,38 @@ def test_n_not_a_multiple_of_block_n_is_a_clear_error():
 def test_int4_group_size_errors():
     with pytest.raises(ValueError, match=r"group_size must be even and divide K; got K=96"):
         reference.quantize_int4_grouped(_random(17, (96, N)), 64)
+    weight = quantize_weight(_random(18, (384, N)), "int4", group_size=96)
+    with pytest.raises(ValueError,
+                       match=r"block_k=128 is neither a multiple nor a divisor of group_size=96"):
+        kernel.int4_matmul(_random(19, (8, 384)), weight.values, weight.scales, None,
+                           group_size=96, interpret=INTERPRET, **BLOCKS)
     weight = quantize_weight(_random(18, (K, N)), "int4", group_size=256)
-    with pytest.raises(ValueError, match=r"block_k=128 is not a multiple of group_size=256"):
-        kernel.int4_matmul(_random(19, (8, K)), weight.values, weight.scales, None,
-                           group_size=256, interpret=INTERPRET, **BLOCKS)
     with pytest.raises(ValueError, match=r"K=256 .* not a multiple of group_size=96"):
         kernel.int4_matmul(_random(19, (8, K)), weight.values, weight.scales, None,
                            group_size=96, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_blocks_inside_a_group_match_the_reference(symmetric):
+    # block_k = 128 rows of a 256-row group: two blocks of I share each group's scales.
+    weight = quantize_weight(_random(28, (2 * K, N)), "int4", group_size=256,
+                             symmetric=symmetric)
+    x = _random(29, (8, 2 * K))
+    actual = kernel.int4_matmul(x, weight.values, weight.scales, weight.zeros, group_size=256,
+                                interpret=INTERPRET, **BLOCKS)
+    expected = quantized_matmul(x, weight, implementation="xla")
+    assert _relative_error(actual, expected) < 1e-5
+
+
+def test_int4_group_too_large_for_a_block_is_refused_before_compiling():
+    # lcm(128, 1000) = 16000 > I = 4000: a block of whole groups in whole lane tiles is all
+    # 4000 rows of I, over the kernel's VMEM budget. The XLA path still takes the weight.
+    weight = quantize_weight(_random(30, (4000, 128)), "int4", group_size=1000)
+    x = _random(31, (4, 4000))
+    with pytest.raises(ValueError, match=r"group_size=1000 with K=4000 takes blocks of "
+                                         r"block_k=4000 rows of I.*over the 2048"):
+        quantized_matmul(x, weight, implementation="interpret")
+    assert quantized_matmul(x, weight, implementation="xla").shape == (4, 128)
 
 
 def test_mismatched_inner_dimension_is_a_clear_error():
@@ -288,6 +329,9 @@ def test_default_block_sizes_fit_the_shape():
     assert tuning.default_block_sizes("int4", 8, 768, 384, group_size=128) == (32, 128, 384)
     # No multiple of 128 divides 200: the whole dimension is one block.
     assert tuning.default_block_sizes("w8a8", 8, 200, 200) == (32, 200, 200)
+    # A group larger than the preferred block_k: block_k divides the group instead.
+    assert tuning.default_block_sizes("int4", 8, 14336, 4096, group_size=14336) == (32, 256, 512)
+    assert tuning.default_block_sizes("int4", 8, 4096, 4096, group_size=768) == (32, 256, 384)
 
 
 # --- larger shapes, default blocks (slow) ------------------------------------------------------

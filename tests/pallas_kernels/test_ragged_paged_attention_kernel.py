@@ -82,6 +82,16 @@ def test_kernel_int8_kv_with_sliding_window_and_soft_cap():
            int8_kv=True)
 
 
+@pytest.mark.parametrize("int8_kv", [False, True])
+@pytest.mark.parametrize("num_kv_heads", [1, 8])
+def test_kernel_kv_head_counts(num_kv_heads, int8_kv):
+    # One KV head (a model's few heads split over tensor parallelism): one program owns the
+    # whole head axis and copies it from row 0. Eight: in int8, two programs of four heads
+    # each, the second copying from row 8 of the combined head axis.
+    _check("mixed", page_size=4, head_dim=64, group=2, num_kv_heads=num_kv_heads,
+           int8_kv=int8_kv)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("page_size", [4, 16, 32])

@@ -1,0 +1,287 @@
+"""The kernel compile matrix: every Pallas kernel's case table, compiled for each TPU chip.
+
+Each case describes one call of a public op by sizes only and compiles it, through
+`pallas_kernels.aot.compile_for`, with the op forced to its Pallas kernel. `MATRIX` is the
+whole table, 66 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
+`aot.TOPOLOGIES`); the 40 cases marked `ci` are the subset `make tpu-check` compiles, which
+still holds every kernel, weight format and attention dimension (see `ci_cases`).
+
+Ragged paged attention. The dimensions are KV dtype (bf16, int8), batch (decode-only, mixed
+prefill), sliding window, soft-cap, GQA ratio (query heads per KV head: 1, 4, 8), head dim (64,
+128, 256), page size (16, 32, 64, 128) and KV heads per chip (8, 2, 1). Their full product
+is 1728 programs per chip, too many for CI, and the kernel's code paths do not interact that
+way: each dimension changes block shapes or adds a masking/scaling step independently. So the
+table covers instead of multiplying: a base case (GQA 4, head dim 128, pages of 16, 8 KV
+heads, no window, no cap) in decode and mixed, bf16 and int8; then every other value of every
+other dimension, one at a time, on the mixed base (it runs both prefill chunks and decodes),
+in both bf16 and int8 (int8 pages take another copy path: four heads per program, a scale row
+per page). The sizes: 64 sequences of up to 512 tokens, a pool of 16384 tokens; decode is 64
+tokens, mixed 256. KV heads 1 and 2 stand for a
+model's few KV heads split over tensor parallelism (Llama-3-8B at TP 8 holds one per chip).
+
+Quantized matmul. Every registered weight format: int8 per channel, W8A8, and int4 symmetric
+and with zero points at group sizes 16, 32, 64, 96, 128, 256 and I (one group over all 4096
+rows: per-channel int4), at M = 1 (decode) and M = 256, on a [4096, 14336] weight (Llama's
+MLP; 4608 rows for the group of 96, which must divide I). The kernel takes any even group
+that divides I, in blocks holding whole groups in whole 128-lane tiles or lying inside one
+group; the public op refuses, before compiling, the groups that would force blocks of more
+than `quant_matmul.kernel.MAX_INT4_BLOCK_K` rows (a CPU test checks that). The int4 storage
+also holds 3- and 2-bit grids; the kernel takes no bit width (only the stored levels differ),
+so they compile to the same program and are not separate cases.
+
+MoE grouped matmul. bf16 and int8 expert weights, 8 experts (Mixtral-8x7B's widths: D 4096,
+F 14336), the gate/up shape `[rows, D] x [E, D, F]` and the down shape `[rows, F] x
+[E, F, D]`, at 2 rows (one token, top-2) and 512 rows (256 tokens, top-2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+
+from pallas_kernels.aot import AotResult, compile_for
+
+# ---- ragged paged attention -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """A ragged paged attention step, described by sizes only."""
+
+    kernel: ClassVar[str] = "ragged_paged_attention"
+
+    name: str
+    num_tokens: int  # T, packed query tokens
+    max_seqs: int  # Q
+    num_kv_heads: int = 8
+    group: int = 4
+    head_dim: int = 128
+    page_size: int = 16
+    tokens_per_seq: int = 512  # pages_per_seq * page_size: the longest context
+    pool_tokens: int = 16384  # P * Z: the page pool's capacity in tokens
+    int8_kv: bool = False
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    ci: bool = False
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.tokens_per_seq // self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool_tokens // self.page_size
+
+    @property
+    def pages_bytes(self) -> int:
+        """Bytes of the `[P, Z, 2K, H]` page pool."""
+        return (self.num_pages * self.page_size * 2 * self.num_kv_heads * self.head_dim
+                * (1 if self.int8_kv else 2))
+
+    def arguments(self) -> list[jax.ShapeDtypeStruct]:
+        """The public op's array arguments (kv_scales last, when int8)."""
+        import jax.numpy as jnp
+
+        pages_dtype = jnp.int8 if self.int8_kv else jnp.bfloat16
+        arguments = [
+            jax.ShapeDtypeStruct((self.num_tokens, self.num_kv_heads * self.group,
+                                  self.head_dim), jnp.bfloat16),  # [T, N, H]
+            jax.ShapeDtypeStruct((self.num_pages, self.page_size, 2 * self.num_kv_heads,
+                                  self.head_dim), pages_dtype),  # [P, Z, 2K, H]
+            jax.ShapeDtypeStruct((self.max_seqs,), jnp.int32),  # [Q]
+            jax.ShapeDtypeStruct((self.max_seqs, self.pages_per_seq), jnp.int32),
+            jax.ShapeDtypeStruct((self.max_seqs + 1,), jnp.int32),  # [Q + 1]
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        ]
+        if self.int8_kv:
+            arguments.append(jax.ShapeDtypeStruct(
+                (self.num_pages, self.page_size, 2 * self.num_kv_heads),
+                jnp.float32))  # [P, Z, 2K]
+        return arguments
+
+    def compile(self, topology: str) -> AotResult:
+        """Compiles the public op (forced to the Pallas kernel) for `topology`."""
+        return compile_for(topology, _attention, self.arguments(), static_kwargs=dict(
+            sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap))
+
+
+def _attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None,
+               *, sm_scale, sliding_window, soft_cap):
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    return ragged_paged_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                  sm_scale=sm_scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap, kv_scales=kv_scales,
+                                  implementation="pallas")
+
+
+# Decode-only: one token for each of 64 sequences; mixed: 256 tokens, prefill chunks and decodes.
+_BATCHES = {"decode": dict(num_tokens=64, max_seqs=64), "mixed": dict(num_tokens=256, max_seqs=64)}
+# Each dimension's values other than the base's, as (label, AttentionCase fields). Those marked
+# True are in the CI subset.
+_ATTENTION_VARIATIONS: tuple[tuple[str, dict, bool], ...] = (
+    ("window128", dict(sliding_window=128), True),
+    ("softcap50", dict(soft_cap=50.0), True),
+    ("gqa1", dict(group=1), True),
+    ("gqa8", dict(group=8), True),
+    ("head64", dict(head_dim=64), True),
+    ("head256", dict(head_dim=256), True),
+    ("page32", dict(page_size=32), False),
+    ("page64", dict(page_size=64), False),
+    ("page128", dict(page_size=128), True),
+    ("kv1", dict(num_kv_heads=1), True),
+    ("kv2", dict(num_kv_heads=2), False),
+)
+
+
+def _kv_label(int8: bool) -> str:
+    return "int8" if int8 else "bf16"
+
+
+ATTENTION_CASES: tuple[AttentionCase, ...] = (
+    *(AttentionCase(f"{batch}-{_kv_label(int8)}", **_BATCHES[batch], int8_kv=int8, ci=True)
+      for batch in ("decode", "mixed") for int8 in (False, True)),
+    *(AttentionCase(f"mixed-{_kv_label(int8)}-{label}", **_BATCHES["mixed"], int8_kv=int8,
+                    ci=ci, **fields)
+      for label, fields, ci in _ATTENTION_VARIATIONS for int8 in (False, True)),
+)
+
+
+# ---- quantized matmul -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulCase:
+    """`quantized_matmul` of `[M, I]` bf16 activations by a quantized `[I, O]` weight."""
+
+    kernel: ClassVar[str] = "quantized_matmul"
+
+    name: str
+    weight_format: str
+    m: int
+    k: int = 4096
+    n: int = 14336
+    group_size: int | None = None
+    symmetric: bool = True
+    ci: bool = False
+
+    def arguments(self) -> list[jax.ShapeDtypeStruct]:
+        """x, then the `QuantizedWeight`'s values, scales and (asymmetric int4) zeros."""
+        import jax.numpy as jnp
+
+        x = jax.ShapeDtypeStruct((self.m, self.k), jnp.bfloat16)  # [T, I]
+        if self.weight_format == "int4":
+            groups = self.k // self.group_size
+            arguments = [x, jax.ShapeDtypeStruct((self.k // 2, self.n), jnp.uint8),  # [I / 2, O]
+                         jax.ShapeDtypeStruct((groups, self.n), jnp.float32)]  # [C, O]
+            if not self.symmetric:
+                arguments.append(jax.ShapeDtypeStruct((groups, self.n), jnp.int8))  # [C, O]
+            return arguments
+        return [x, jax.ShapeDtypeStruct((self.k, self.n), jnp.int8),  # [I, O]
+                jax.ShapeDtypeStruct((self.n,), jnp.float32)]  # [O]
+
+    def compile(self, topology: str) -> AotResult:
+        """Compiles the public op (forced to the Pallas kernel) for `topology`."""
+        return compile_for(topology, _matmul, self.arguments(), static_kwargs=dict(
+            weight_format=self.weight_format, group_size=self.group_size))
+
+
+def _matmul(x, values, scales, zeros=None, *, weight_format, group_size):
+    from pallas_kernels.quant_matmul import QuantizedWeight, quantized_matmul
+
+    weight = QuantizedWeight(weight_format, values, scales, zeros, group_size)
+    return quantized_matmul(x, weight, implementation="pallas")
+
+
+def _matmul_label(weight_format: str, group_size: int | None, symmetric: bool) -> str:
+    if group_size is None:
+        return weight_format
+    return f"{weight_format}-g{group_size}-{'sym' if symmetric else 'zp'}"
+
+
+# (format, group_size, I, symmetric, in CI): every format; int4 at each group size, with and
+# without zero points. CI takes int4's default group (128), its smallest common one (32) and
+# the group of all I (the blocks-inside-a-group path).
+_MATMUL_LAYOUTS: tuple[tuple[str, int | None, int, bool, bool], ...] = (
+    ("int8", None, 4096, True, True),
+    ("w8a8", None, 4096, True, True),
+    *(("int4", group_size, 4608 if group_size == 96 else 4096, symmetric,
+       group_size in (32, 128, 4096))
+      for group_size in (16, 32, 64, 96, 128, 256, 4096) for symmetric in (True, False)),
+)
+
+MATMUL_CASES: tuple[MatmulCase, ...] = tuple(
+    MatmulCase(f"{_matmul_label(weight_format, group_size, symmetric)}-m{m}", weight_format, m,
+               k=k, group_size=group_size, symmetric=symmetric, ci=ci)
+    for weight_format, group_size, k, symmetric, ci in _MATMUL_LAYOUTS for m in (1, 256))
+
+
+# ---- MoE grouped matmul ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeCase:
+    """The MoE grouped matmul `[rows, I] x [E, I, O]` with bf16 rows, bf16 or int8 weights."""
+
+    kernel: ClassVar[str] = "moe_grouped_matmul"
+
+    name: str
+    rows: int
+    depth: int  # I
+    width: int  # O
+    experts: int = 8
+    int8: bool = False
+    ci: bool = False
+
+    def arguments(self) -> list[jax.ShapeDtypeStruct]:
+        """lhs, rhs, group_sizes, then the int8 weights' scales."""
+        import jax.numpy as jnp
+
+        arguments = [
+            jax.ShapeDtypeStruct((self.rows, self.depth), jnp.bfloat16),  # [rows, I]
+            jax.ShapeDtypeStruct((self.experts, self.depth, self.width),
+                                 jnp.int8 if self.int8 else jnp.bfloat16),  # [E, I, O]
+            jax.ShapeDtypeStruct((self.experts,), jnp.int32),  # [E]
+        ]
+        if self.int8:
+            arguments.append(jax.ShapeDtypeStruct((self.experts, self.width),
+                                                  jnp.float32))  # [E, O]
+        return arguments
+
+    def compile(self, topology: str) -> AotResult:
+        """Compiles the public op (forced to the Pallas kernel) for `topology`."""
+        return compile_for(topology, _grouped_matmul, self.arguments())
+
+
+def _grouped_matmul(lhs, rhs, group_sizes, scales=None):
+    from pallas_kernels.moe import grouped_matmul
+
+    return grouped_matmul(lhs, rhs, group_sizes, scales=scales, implementation="pallas")
+
+
+_MIXTRAL_D, _MIXTRAL_F = 4096, 14336
+MOE_CASES: tuple[MoeCase, ...] = tuple(
+    MoeCase(f"{projection}-{'int8' if int8 else 'bf16'}-rows{rows}", rows, depth, width,
+            int8=int8, ci=projection == "gate_up")
+    for projection, depth, width in (("gate_up", _MIXTRAL_D, _MIXTRAL_F),
+                                     ("down", _MIXTRAL_F, _MIXTRAL_D))
+    for int8 in (False, True) for rows in (2, 512))
+
+
+# ---- the matrix -----------------------------------------------------------------------------
+
+Case = AttentionCase | MatmulCase | MoeCase
+MATRIX: tuple[Case, ...] = (*ATTENTION_CASES, *MATMUL_CASES, *MOE_CASES)
+
+
+def ci_cases() -> tuple[Case, ...]:
+    """The cases `make tpu-check` compiles for every chip: the attention base cases and each
+    dimension's extreme values (window, soft-cap, GQA 1 and 8, head dim 64 and 256, pages of
+    128, one KV head) in bf16 and int8; every quantized matmul format, int4 at groups of 32,
+    128 (the default) and all of I, each at M = 1 and 256; the MoE gate/up shape in bf16 and
+    int8. The variations left out (pages of 32 and 64, two KV heads) and the down shape of
+    MoE lie between cases CI compiles; the benchmark compiles them."""
+    return tuple(case for case in MATRIX if case.ci)
