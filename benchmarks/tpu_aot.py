@@ -74,7 +74,8 @@ CASES = (
     aot.ServingCase(name="Mixtral-8x7B bf16, v5p-8 EP2 x TP2", preset="mixtral-8x7b",
                     topology="v5p:2x2x1", tensor_parallel=2, expert_parallel=2,
                     options=OPTIONS),
-    aot.ServingCase(name="Mixtral-8x7B int8, v5p-8 EP2 x TP2", preset="mixtral-8x7b",
+    aot.ServingCase(name="Mixtral-8x7B int8 attention (experts bf16), v5p-8 EP2 x TP2",
+                    preset="mixtral-8x7b",
                     topology="v5p:2x2x1", tensor_parallel=2, expert_parallel=2,
                     weights="int8", options=OPTIONS),
     aot.ServingCase(name="Llama-3-8B bf16 + Llama-3.2-1B drafter (R = 4), v5e-8 TP8",
@@ -410,16 +411,28 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/tpu_aot.md")
     parser.add_argument("--cases", default="", help="comma-separated case indices (all)")
     parser.add_argument("--no-depth", action="store_true", help="skip the depth table")
+    parser.add_argument("--render-only", action="store_true",
+                        help="write the section from the JSON of an earlier run")
     args = parser.parse_args()
     started = time.perf_counter()
 
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {message}", flush=True)
 
+    if args.render_only:
+        previous = json.loads(Path(args.out).with_suffix(".json").read_text())
+        _AVAILABLE.update(previous["available"])
+        _ACCOUNTING.update(previous["matmul_accounting"])
+        section = render(previous["results"], previous["depths"],
+                         previous.get("seconds", 0.0))
+        replace_section(Path(args.out), "serving-step", section, title=TITLE)
+        print(section)
+        return
     chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else list(CASES)
     _ACCOUNTING["v5e"] = matmul_accounting("v5e")
     results: list[dict] = []
     depths: list[tuple[int, float]] = []
+    prior = 0.0  # seconds of the earlier run a partial run adds to
     earlier = Path(args.out).with_suffix(".json")
     if args.cases and earlier.exists():
         # A partial run replaces its cases in the earlier run's results and keeps the rest.
@@ -428,11 +441,13 @@ def main() -> None:
         results = [r for r in previous["results"] if r["name"] not in names]
         depths = [tuple(row) for row in previous["depths"]]
         _AVAILABLE.update(previous["available"])
+        prior = previous.get("seconds", 0.0)
 
     def save() -> None:  # after every case, so a late failure loses nothing
         Path(args.out).with_suffix(".json").write_text(json.dumps(
             {"results": results, "depths": depths, "available": _AVAILABLE,
-             "matmul_accounting": _ACCOUNTING}, indent=1, default=str))
+             "matmul_accounting": _ACCOUNTING,
+             "seconds": prior + time.perf_counter() - started}, indent=1, default=str))
 
     for case in chosen:
         results.append(run_case(case, log))
@@ -442,7 +457,7 @@ def main() -> None:
         save()
     order = [case.name for case in CASES]
     results.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
-    elapsed = time.perf_counter() - started
+    elapsed = prior + time.perf_counter() - started
     replace_section(Path(args.out), "serving-step", render(results, depths, elapsed),
                     title=TITLE)
     print(render(results, depths, elapsed))
