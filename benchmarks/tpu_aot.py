@@ -150,6 +150,33 @@ def attention_flops(case: aot.ServingCase, query_tokens: int, context: int,
     return 4.0 * query_tokens * context * config.head_dim * heads * config.num_layers
 
 
+def quantized_matmul_flops(case: aot.ServingCase, num_tokens: int) -> float:
+    """FLOPs per chip of the quantized projections over `num_tokens` tokens, which the
+    compiler does not count either (each is a Mosaic kernel): 2 x T x their weights, split
+    over the tensor-parallel axis."""
+    if case.weights == "bf16":
+        return 0.0
+    shapes = memory_plan.linear_shapes(case.model_config, quantizable_only=True)
+    return 2.0 * num_tokens * sum(k * n for k, n in shapes) / case.tensor_parallel
+
+
+def count_quantized_flops(result: dict) -> None:
+    """Adds the int8 projections' FLOPs to estimates written without them (by a run before
+    they were counted), and recomputes their times; a no-op on newer results."""
+    case = next(case for case in CASES if case.name == result["name"])
+    chip = aot.CHIPS[result["chip"]]
+    for key, estimate in result["estimates"].items():
+        if "quantized_flops" in estimate:
+            continue
+        tokens = PREFILL_TOKENS if key == "prefill" else max(int(key.split("_")[1]),
+                                                             OPTIONS["min_token_bucket"])
+        estimate["quantized_flops"] = quantized_matmul_flops(case, tokens)
+        estimate["flops"] += estimate["quantized_flops"]
+        seconds = aot.roofline_seconds(chip, estimate["flops"], estimate["bytes"])
+        count = PREFILL_TOKENS if key == "prefill" else int(key.split("_")[1])
+        estimate["ms"], estimate["tokens_per_s"] = 1000 * seconds, count / seconds
+
+
 def run_case(case: aot.ServingCase, log) -> dict:
     """Every figure of one configuration."""
     config = case.model_config
@@ -216,24 +243,28 @@ def run_case(case: aot.ServingCase, log) -> dict:
                                                            batch)
         kv = aot.kv_read_bytes(runner, batch, CONTEXT)
         logits = 2 * 4 * batch * config.vocab_size
-        total_flops = flops.at(config.num_layers) + attention_flops(case, batch, CONTEXT,
-                                                                    case.tensor_parallel)
+        num_tokens = runner.token_bucket(batch)
+        total_flops = (flops.at(config.num_layers) + quantized_matmul_flops(case, num_tokens)
+                       + attention_flops(case, batch, CONTEXT, case.tensor_parallel))
         total_bytes = report.weight_bytes + inputs + kv + logits
         seconds = aot.roofline_seconds(case.chip, total_flops, total_bytes)
         estimates[f"decode_{batch}"] = dict(
             ms=1000 * seconds, tokens_per_s=batch / seconds, flops=total_flops,
+            quantized_flops=quantized_matmul_flops(case, num_tokens),
             bytes=total_bytes, kv_bytes=kv, input_bytes=inputs, logits_bytes=logits,
             compiler_bytes=accessed + kv)
         if batch == DECODE_BATCHES[-1]:
             result["collectives_per_layer"] = {op: c.per_layer for op, c in collectives.items()}
             result["collectives_fixed"] = {op: c.fixed for op, c in collectives.items()}
     flops, _, inputs, accessed = layer_costs(case, PREFILL_TOKENS, 1)
-    total_flops = flops.at(config.num_layers) + attention_flops(
-        case, PREFILL_TOKENS, PREFILL_TOKENS // 2, case.tensor_parallel)
+    total_flops = (flops.at(config.num_layers) + quantized_matmul_flops(case, PREFILL_TOKENS)
+                   + attention_flops(case, PREFILL_TOKENS, PREFILL_TOKENS // 2,
+                                     case.tensor_parallel))
     total_bytes = report.weight_bytes + inputs + aot.kv_read_bytes(runner, 1, PREFILL_TOKENS)
     seconds = aot.roofline_seconds(case.chip, total_flops, total_bytes)
     estimates["prefill"] = dict(ms=1000 * seconds, tokens_per_s=PREFILL_TOKENS / seconds,
-                                flops=total_flops, bytes=total_bytes, compiler_bytes=accessed)
+                                flops=total_flops, bytes=total_bytes, compiler_bytes=accessed,
+                                quantized_flops=quantized_matmul_flops(case, PREFILL_TOKENS))
     # The extrapolation against the full-depth program (same bucket, different pool).
     flops_largest, _, _, _ = layer_costs(case, *largest)
     result["extrapolation_ratio"] = flops_largest.at(config.num_layers) / report.flops
@@ -307,21 +338,26 @@ def render(results: list[dict], depths: list[tuple[int, float]], seconds: float)
         "`memory_analysis()`. `plan` is `jaxinfer.memory_plan` for the same model, format and "
         "TP. Largest pool: the most pages (of 16 tokens) that fit beside the rest in the HBM "
         "the compiler allows; the program compiles with it, and with 5% more the compiler "
-        "refuses it (out of HBM).",
+        "refuses it (out of HBM). The plan's tokens: `jaxinfer.memory_plan`'s rule (10% "
+        "of the published HBM kept back for activations, programs and the runtime).",
         "",
         "| configuration | weights GiB (plan) | inputs GiB | temp GiB | code MiB | "
-        "KV bytes/token (plan) | largest pool: pages / tokens | HBM used / allowed GiB | "
-        "+5% refused |",
+        "KV bytes/token (plan) | largest pool: pages / tokens (plan's tokens) | "
+        "HBM used / allowed GiB | +5% refused |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         allowed = _AVAILABLE[r["chip"]]
+        # memory_plan.plan's rule: 10% of the chip's HBM kept back, the rest after the
+        # weights for KV.
+        hbm = aot.CHIPS[r["chip"]].hbm_bytes
+        planned = int((0.9 * hbm - r["weights_plan"]) // r["kv_token_plan"])
         lines.append(
             f"| {r['name']} | {_gib(r['weights'])} ({_gib(r['weights_plan'])}) | "
             f"{_gib(r['inputs'])} | {_gib(r['temp'])} | {r['code'] / 2**20:.0f} | "
             f"{r['kv_token_bytes']:,.0f} ({r['kv_token_plan']:,}) | "
-            f"{r['largest_pages']:,} / {r['largest_pages'] * r['page_size']:,} | "
-            f"{_gib(r['largest_hbm'])} / {_gib(allowed)} | "
+            f"{r['largest_pages']:,} / {r['largest_pages'] * r['page_size']:,} "
+            f"({planned:,}) | {_gib(r['largest_hbm'])} / {_gib(allowed)} | "
             f"{'yes' if r['over_refused'] else 'NO'} |")
     lines += [
         "",
@@ -332,7 +368,8 @@ def render(results: list[dict], depths: list[tuple[int, float]], seconds: float)
         + ", ".join(f"{c.name} {c.bf16_flops / 1e12:.0f} TFLOP/s and "
                     f"{c.hbm_bandwidth / 1e9:,.0f} GB/s" for c in aot.CHIPS.values())
         + ". FLOPs: the compiler's (`cost_analysis`, extrapolated from 1 and 2 layers), plus "
-        "attention's from the sizes (the Mosaic kernel reports none). Bytes: what must cross "
+        "attention's and the int8 projections' from the sizes (their Mosaic kernels report "
+        "none). Bytes: what must cross "
         "HBM once per step: the weights per chip, the step's inputs, the KV read (decode: "
         f"every sequence holds {CONTEXT} tokens; prefill: one {PREFILL_TOKENS}-token prompt) "
         "and the [Q, V] float32 logits written and read. The compiler's own `bytes accessed` "
@@ -431,6 +468,8 @@ def main() -> None:
         previous = json.loads(Path(args.out).with_suffix(".json").read_text())
         _AVAILABLE.update(previous["available"])
         _ACCOUNTING.update(previous["matmul_accounting"])
+        for result in previous["results"]:
+            count_quantized_flops(result)
         section = render(previous["results"], previous["depths"],
                          previous.get("seconds", 0.0))
         replace_section(Path(args.out), "serving-step", section, title=TITLE)
