@@ -69,8 +69,12 @@ CASES = (
                     kv_cache_dtype="int8", options=OPTIONS),
     aot.ServingCase(name="Llama-2-70B bf16, v5p-16 TP8", preset="llama-2-70b",
                     topology="v5p:2x2x2", tensor_parallel=8, options=OPTIONS),
-    aot.ServingCase(name="Llama-2-70B int8, v5e-16 TP8 (x2 DP)", preset="llama-2-70b",
-                    topology="v5e:4x4", tensor_parallel=8, weights="int8", options=OPTIONS),
+    # A v5e-16 slice serves it as two TP8 replicas; one replica's program is compiled for
+    # 8 chips (libtpu 0.0.42.1 rejects a program on 8 of a described 16-chip slice: "device_id
+    # 11 ... target has 8 device_id").
+    aot.ServingCase(name="Llama-2-70B int8, v5e-16 as 2 x TP8 (one replica)",
+                    preset="llama-2-70b", topology="v5e:2x4", tensor_parallel=8,
+                    weights="int8", options=OPTIONS),
     aot.ServingCase(name="Mixtral-8x7B bf16, v5p-8 EP2 x TP2", preset="mixtral-8x7b",
                     topology="v5p:2x2x1", tensor_parallel=2, expert_parallel=2,
                     options=OPTIONS),
@@ -456,6 +460,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/tpu_aot.md")
     parser.add_argument("--cases", default="", help="comma-separated case indices (all)")
     parser.add_argument("--no-depth", action="store_true", help="skip the depth table")
+    parser.add_argument("--depth-only", action="store_true",
+                        help="only the depth table, merged into the earlier run's JSON")
     parser.add_argument("--render-only", action="store_true",
                         help="write the section from the JSON of an earlier run")
     args = parser.parse_args()
@@ -475,13 +481,25 @@ def main() -> None:
         replace_section(Path(args.out), "serving-step", section, title=TITLE)
         print(section)
         return
+    if not (args.cases or args.depth_only):
+        # One process per case: libtpu 0.0.42.1 keeps state between topologies, and a long
+        # run failed on a later topology's collectives ("Unexpected device_id 11") that
+        # compile in a fresh process. Each run merges its case into the JSON.
+        Path(args.out).with_suffix(".json").unlink(missing_ok=True)
+        passes = [["--cases", str(index), "--no-depth"] for index in range(len(CASES))]
+        passes += [] if args.no_depth else [["--depth-only"]]
+        for extra in [*passes, ["--render-only"]]:
+            subprocess.run([sys.executable, __file__, "--out", args.out, *extra], check=True)
+        return
     chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else list(CASES)
+    if args.depth_only:
+        chosen = []
     _ACCOUNTING["v5e"] = matmul_accounting("v5e")
     results: list[dict] = []
     depths: list[tuple[int, float]] = []
     prior = 0.0  # seconds of the earlier run a partial run adds to
     earlier = Path(args.out).with_suffix(".json")
-    if args.cases and earlier.exists():
+    if (args.cases or args.depth_only) and earlier.exists():
         # A partial run replaces its cases in the earlier run's results and keeps the rest.
         previous = json.loads(earlier.read_text())
         names = {case.name for case in chosen}
