@@ -31,9 +31,9 @@ demo: $(STAMP)
 
 # The TPU compiler on this CPU machine: a second environment with jax[tpu] pinned to the jax of
 # .venv (libtpu must match jaxlib; .venv is built first where missing), the project installed
-# without the test extras. tpu-check compiles the kernel cases CI takes (every kernel, format
+# without the test extras. tpu-check compiles the whole kernel matrix (every kernel, format
 # and attention dimension: pallas_kernels/aot_cases.py) for TPU v4/v5e/v5p/v6e there, with
-# their VMEM; benchmarks/tpu_kernels.py compiles the whole matrix.
+# their VMEM, and the serving step at real layer sizes (jaxinfer/engine/aot.py).
 TPU_VENV ?= .venv-tpu
 TPU_PY := $(TPU_VENV)/bin/python
 TPU_STAMP := $(TPU_VENV)/.installed

@@ -1,11 +1,11 @@
 """The kernel compile matrix: every case of `pallas_kernels/aot_cases.py` compiled for TPU v4,
 v5e, v5p and v6e on this machine (no TPU needed), with compile time, VMEM and HBM per case.
 
-    .venv-tpu/bin/python benchmarks/tpu_kernels.py [--ci] [--chips v5e,v6e] \
+    .venv-tpu/bin/python benchmarks/tpu_kernels.py [--chips v5e,v6e] \
         [--out benchmarks/results/tpu_kernels.md]
 
-Runs in the `jax[tpu]` environment (`make tpu-env`). `--ci` compiles only the subset
-`make tpu-check` does. The result is a markdown file: the command, date, jax and libtpu
+Runs in the `jax[tpu]` environment (`make tpu-env`); `make tpu-check` compiles the same
+cases as tests. The result is a markdown file: the command, date, jax and libtpu
 versions, the machine, each chip's VMEM and default scoped limit, and one table row per
 (case, chip). Exits non-zero if any case failed to compile or did not fit VMEM.
 
@@ -66,7 +66,6 @@ def _row(case: aot_cases.Case, chip: str, result: aot.AotResult, fits: bool) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ci", action="store_true", help="only the make tpu-check subset")
     parser.add_argument("--chips", default=",".join(aot.TOPOLOGIES),
                         help="comma-separated chips (default: all of aot.TOPOLOGIES)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tpu_kernels.md"))
@@ -75,7 +74,7 @@ def main() -> int:
         print("no TPU compiler (libtpu) here: run in .venv-tpu (make tpu-env)", file=sys.stderr)
         return 2
     chips = args.chips.split(",")
-    cases = aot_cases.ci_cases() if args.ci else aot_cases.MATRIX
+    cases = aot_cases.MATRIX
 
     rows, failures, start = [], [], time.perf_counter()
     for case in cases:
@@ -91,7 +90,7 @@ def main() -> int:
             print(rows[-1], flush=True)
     total = time.perf_counter() - start
 
-    command = "python benchmarks/tpu_kernels.py" + (" --ci" if args.ci else "") + (
+    command = "python benchmarks/tpu_kernels.py" + (
         f" --chips {args.chips}" if args.chips != ",".join(aot.TOPOLOGIES) else "")
     chip_lines = "\n".join(
         f"| {chip} | {aot.TOPOLOGIES[chip]} | {aot.topology_devices(chip)[0].device_kind} "
@@ -102,7 +101,7 @@ def main() -> int:
 Every Pallas kernel case of `pallas_kernels/aot_cases.py` compiled ahead of time for each TPU
 chip through Mosaic, on a machine without a TPU (issue 19). The case tables and the covering
 design of the attention cases are documented in `pallas_kernels/aot_cases.py`; `make
-tpu-check` compiles the subset marked for CI and asserts the same VMEM limits.
+tpu-check` (CI) compiles the same cases and asserts the same VMEM limits.
 
 Command: `{command}` (in `.venv-tpu`)
 Date: {datetime.date.today().isoformat()}

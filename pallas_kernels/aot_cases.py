@@ -3,8 +3,7 @@
 Each case describes one call of a public op by sizes only and compiles it, through
 `pallas_kernels.aot.compile_for`, with the op forced to its Pallas kernel. `MATRIX` is the
 whole table, 66 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
-`aot.TOPOLOGIES`); the 40 cases marked `ci` are the subset `make tpu-check` compiles, which
-still holds every kernel, weight format and attention dimension (see `ci_cases`).
+`aot.TOPOLOGIES`), and so does `make tpu-check`, in CI.
 
 Ragged paged attention. The dimensions are KV dtype (bf16, int8), batch (decode-only, mixed
 prefill), sliding window, soft-cap, GQA ratio (query heads per KV head: 1, 4, 8), head dim (64,
@@ -64,7 +63,6 @@ class AttentionCase:
     int8_kv: bool = False
     sliding_window: int | None = None
     soft_cap: float | None = None
-    ci: bool = False
 
     @property
     def pages_per_seq(self) -> int:
@@ -120,20 +118,19 @@ def _attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv
 
 # Decode-only: one token for each of 64 sequences; mixed: 256 tokens, prefill chunks and decodes.
 _BATCHES = {"decode": dict(num_tokens=64, max_seqs=64), "mixed": dict(num_tokens=256, max_seqs=64)}
-# Each dimension's values other than the base's, as (label, AttentionCase fields). Those marked
-# True are in the CI subset.
-_ATTENTION_VARIATIONS: tuple[tuple[str, dict, bool], ...] = (
-    ("window128", dict(sliding_window=128), True),
-    ("softcap50", dict(soft_cap=50.0), True),
-    ("gqa1", dict(group=1), True),
-    ("gqa8", dict(group=8), True),
-    ("head64", dict(head_dim=64), True),
-    ("head256", dict(head_dim=256), True),
-    ("page32", dict(page_size=32), False),
-    ("page64", dict(page_size=64), False),
-    ("page128", dict(page_size=128), True),
-    ("kv1", dict(num_kv_heads=1), True),
-    ("kv2", dict(num_kv_heads=2), False),
+# Each dimension's values other than the base's, as (label, AttentionCase fields).
+_ATTENTION_VARIATIONS: tuple[tuple[str, dict], ...] = (
+    ("window128", dict(sliding_window=128)),
+    ("softcap50", dict(soft_cap=50.0)),
+    ("gqa1", dict(group=1)),
+    ("gqa8", dict(group=8)),
+    ("head64", dict(head_dim=64)),
+    ("head256", dict(head_dim=256)),
+    ("page32", dict(page_size=32)),
+    ("page64", dict(page_size=64)),
+    ("page128", dict(page_size=128)),
+    ("kv1", dict(num_kv_heads=1)),
+    ("kv2", dict(num_kv_heads=2)),
 )
 
 
@@ -142,11 +139,11 @@ def _kv_label(int8: bool) -> str:
 
 
 ATTENTION_CASES: tuple[AttentionCase, ...] = (
-    *(AttentionCase(f"{batch}-{_kv_label(int8)}", **_BATCHES[batch], int8_kv=int8, ci=True)
+    *(AttentionCase(f"{batch}-{_kv_label(int8)}", **_BATCHES[batch], int8_kv=int8)
       for batch in ("decode", "mixed") for int8 in (False, True)),
     *(AttentionCase(f"mixed-{_kv_label(int8)}-{label}", **_BATCHES["mixed"], int8_kv=int8,
-                    ci=ci, **fields)
-      for label, fields, ci in _ATTENTION_VARIATIONS for int8 in (False, True)),
+                    **fields)
+      for label, fields in _ATTENTION_VARIATIONS for int8 in (False, True)),
 )
 
 
@@ -166,7 +163,6 @@ class MatmulCase:
     n: int = 14336
     group_size: int | None = None
     symmetric: bool = True
-    ci: bool = False
 
     def arguments(self) -> list[jax.ShapeDtypeStruct]:
         """x, then the `QuantizedWeight`'s values, scales and (asymmetric int4) zeros."""
@@ -202,21 +198,19 @@ def _matmul_label(weight_format: str, group_size: int | None, symmetric: bool) -
     return f"{weight_format}-g{group_size}-{'sym' if symmetric else 'zp'}"
 
 
-# (format, group_size, I, symmetric, in CI): every format; int4 at each group size, with and
-# without zero points. CI takes int4's default group (128), its smallest common one (32) and
-# the group of all I (the blocks-inside-a-group path).
-_MATMUL_LAYOUTS: tuple[tuple[str, int | None, int, bool, bool], ...] = (
-    ("int8", None, 4096, True, True),
-    ("w8a8", None, 4096, True, True),
-    *(("int4", group_size, 4608 if group_size == 96 else 4096, symmetric,
-       group_size in (32, 128, 4096))
+# (format, group_size, I, symmetric): every format; int4 at each group size, with and without
+# zero points (the group of all I takes the blocks-inside-a-group path).
+_MATMUL_LAYOUTS: tuple[tuple[str, int | None, int, bool], ...] = (
+    ("int8", None, 4096, True),
+    ("w8a8", None, 4096, True),
+    *(("int4", group_size, 4608 if group_size == 96 else 4096, symmetric)
       for group_size in (16, 32, 64, 96, 128, 256, 4096) for symmetric in (True, False)),
 )
 
 MATMUL_CASES: tuple[MatmulCase, ...] = tuple(
     MatmulCase(f"{_matmul_label(weight_format, group_size, symmetric)}-m{m}", weight_format, m,
-               k=k, group_size=group_size, symmetric=symmetric, ci=ci)
-    for weight_format, group_size, k, symmetric, ci in _MATMUL_LAYOUTS for m in (1, 256))
+               k=k, group_size=group_size, symmetric=symmetric)
+    for weight_format, group_size, k, symmetric in _MATMUL_LAYOUTS for m in (1, 256))
 
 
 # ---- MoE grouped matmul ---------------------------------------------------------------------
@@ -234,7 +228,6 @@ class MoeCase:
     width: int  # O
     experts: int = 8
     int8: bool = False
-    ci: bool = False
 
     def arguments(self) -> list[jax.ShapeDtypeStruct]:
         """lhs, rhs, group_sizes, then the int8 weights' scales."""
@@ -265,7 +258,7 @@ def _grouped_matmul(lhs, rhs, group_sizes, scales=None):
 _MIXTRAL_D, _MIXTRAL_F = 4096, 14336
 MOE_CASES: tuple[MoeCase, ...] = tuple(
     MoeCase(f"{projection}-{'int8' if int8 else 'bf16'}-rows{rows}", rows, depth, width,
-            int8=int8, ci=projection == "gate_up")
+            int8=int8)
     for projection, depth, width in (("gate_up", _MIXTRAL_D, _MIXTRAL_F),
                                      ("down", _MIXTRAL_F, _MIXTRAL_D))
     for int8 in (False, True) for rows in (2, 512))
@@ -276,12 +269,3 @@ MOE_CASES: tuple[MoeCase, ...] = tuple(
 Case = AttentionCase | MatmulCase | MoeCase
 MATRIX: tuple[Case, ...] = (*ATTENTION_CASES, *MATMUL_CASES, *MOE_CASES)
 
-
-def ci_cases() -> tuple[Case, ...]:
-    """The cases `make tpu-check` compiles for every chip: the attention base cases and each
-    dimension's extreme values (window, soft-cap, GQA 1 and 8, head dim 64 and 256, pages of
-    128, one KV head) in bf16 and int8; every quantized matmul format, int4 at groups of 32,
-    128 (the default) and all of I, each at M = 1 and 256; the MoE gate/up shape in bf16 and
-    int8. The variations left out (pages of 32 and 64, two KV heads) and the down shape of
-    MoE lie between cases CI compiles; the benchmark compiles them."""
-    return tuple(case for case in MATRIX if case.ci)

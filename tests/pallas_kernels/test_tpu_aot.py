@@ -3,9 +3,8 @@
 VMEM; the harness reports a kernel Mosaic rejects as a failure, and its VMEM figures and
 capacities agree with what the compiler says.
 
-The cases are `aot_cases.ci_cases()`: every kernel, weight format and attention dimension, a
-subset of the whole matrix that `benchmarks/tpu_kernels.py` compiles, so that this stays a
-few minutes on a 2-core machine. Skipped where libtpu is not installed (the main
+The cases are the whole matrix, `aot_cases.MATRIX`: every kernel, weight format and attention
+dimension (a few minutes on a 2-core machine). Skipped where libtpu is not installed (the main
 environment); where it is installed but broken, the compiles fail instead.
 """
 
@@ -33,7 +32,7 @@ def _case_id(case: aot_cases.Case) -> str:
     return f"{case.kernel}-{case.name}"
 
 
-@pytest.mark.parametrize("case", aot_cases.ci_cases(), ids=_case_id)
+@pytest.mark.parametrize("case", aot_cases.MATRIX, ids=_case_id)
 @pytest.mark.parametrize("chip", CHIPS)
 def test_kernel_compiles_within_vmem(chip, case):
     result = case.compile(chip)
