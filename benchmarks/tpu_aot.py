@@ -476,6 +476,7 @@ def main() -> None:
         _ACCOUNTING.update(previous["matmul_accounting"])
         for result in previous["results"]:
             count_quantized_flops(result)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(previous, indent=1))
         section = render(previous["results"], previous["depths"],
                          previous.get("seconds", 0.0))
         replace_section(Path(args.out), "serving-step", section, title=TITLE)
