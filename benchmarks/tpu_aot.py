@@ -164,23 +164,6 @@ def quantized_matmul_flops(case: aot.ServingCase, num_tokens: int) -> float:
     return 2.0 * num_tokens * sum(k * n for k, n in shapes) / case.tensor_parallel
 
 
-def count_quantized_flops(result: dict) -> None:
-    """Adds the int8 projections' FLOPs to estimates written without them (by a run before
-    they were counted), and recomputes their times; a no-op on newer results."""
-    case = next(case for case in CASES if case.name == result["name"])
-    chip = aot.CHIPS[result["chip"]]
-    for key, estimate in result["estimates"].items():
-        if "quantized_flops" in estimate:
-            continue
-        tokens = PREFILL_TOKENS if key == "prefill" else max(int(key.split("_")[1]),
-                                                             OPTIONS["min_token_bucket"])
-        estimate["quantized_flops"] = quantized_matmul_flops(case, tokens)
-        estimate["flops"] += estimate["quantized_flops"]
-        seconds = aot.roofline_seconds(chip, estimate["flops"], estimate["bytes"])
-        count = PREFILL_TOKENS if key == "prefill" else int(key.split("_")[1])
-        estimate["ms"], estimate["tokens_per_s"] = 1000 * seconds, count / seconds
-
-
 def run_case(case: aot.ServingCase, log) -> dict:
     """Every figure of one configuration."""
     config = case.model_config
@@ -474,9 +457,6 @@ def main() -> None:
         previous = json.loads(Path(args.out).with_suffix(".json").read_text())
         _AVAILABLE.update(previous["available"])
         _ACCOUNTING.update(previous["matmul_accounting"])
-        for result in previous["results"]:
-            count_quantized_flops(result)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(previous, indent=1))
         section = render(previous["results"], previous["depths"],
                          previous.get("seconds", 0.0))
         replace_section(Path(args.out), "serving-step", section, title=TITLE)

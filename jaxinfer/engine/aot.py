@@ -36,7 +36,7 @@ from jaxinfer.engine.core import runner_config
 from jaxinfer.engine.device.runner import ModelRunner
 from jaxinfer.engine.device.step_io import STEP
 from jaxinfer.engine.parallel import replica_meshes
-from jaxinfer.models.transformer import Transformer
+from jaxinfer.models.transformer import Transformer, abstract_model
 from jaxinfer.sharding import make_mesh
 
 GIB = 1 << 30
@@ -52,22 +52,20 @@ class Chip:
         name: "v5e", ...
         hbm_bytes: HBM per chip (the published GiB figure).
         bf16_flops: Peak bf16 FLOP/s per chip.
-        int8_ops: Peak int8 OP/s per chip (None where not published).
         hbm_bandwidth: HBM bytes/s per chip.
     """
 
     name: str
     hbm_bytes: int
     bf16_flops: float
-    int8_ops: float | None
     hbm_bandwidth: float
 
 
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("v4", 32 * GIB, 275e12, None, 1200e9),
-    "v5e": Chip("v5e", 16 * GIB, 197e12, 394e12, 819e9),
-    "v5p": Chip("v5p", 95 * GIB, 459e12, 918e12, 2765e9),
-    "v6e": Chip("v6e", 32 * GIB, 918e12, 1836e12, 1640e9),
+    "v4": Chip("v4", 32 * GIB, 275e12, 1200e9),
+    "v5e": Chip("v5e", 16 * GIB, 197e12, 819e9),
+    "v5p": Chip("v5p", 95 * GIB, 459e12, 2765e9),
+    "v6e": Chip("v6e", 32 * GIB, 918e12, 1640e9),
 }
 
 
@@ -131,7 +129,7 @@ def abstract_serving_model(config: ModelConfig, weights: str = "bf16") -> Transf
     from jaxinfer.quant.linear import quantize_model
 
     if weights == "bf16":
-        return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        return abstract_model(config)
     if weights != "int8":
         raise ValueError(f"weights = {weights!r}: the AOT cases take 'bf16' or 'int8'")
     quantization = QuantizationConfig.for_method("rtn", bits=8)
@@ -139,17 +137,23 @@ def abstract_serving_model(config: ModelConfig, weights: str = "bf16") -> Transf
                                                  quantization))
 
 
-def abstract_runner(case: ServingCase, devices: Any = None) -> ModelRunner:
-    """An abstract runner for `case` on the first replica mesh of the topology's devices."""
+def _topology_devices(case: ServingCase, devices: Any) -> list[Any]:
+    """`devices`, or the devices of `case`'s described TPU slice."""
     if devices is None:
         from pallas_kernels.aot import topology_devices
 
         devices = topology_devices(case.topology)
+    return list(devices)
+
+
+def abstract_runner(case: ServingCase, devices: Any = None) -> ModelRunner:
+    """An abstract runner for `case` on the first replica mesh of the topology's devices."""
+    devices = _topology_devices(case, devices)
     config = case.engine_config()
-    meshes = replica_meshes(config.parallel, devices=list(devices))
+    meshes = replica_meshes(config.parallel, devices=devices)
     # One chip still gets a (one-device) mesh: lowering under it tells Pallas which TPU the
     # kernels are for, where the engine would ask the attached device.
-    mesh = make_mesh({"model": 1}, devices=list(devices)[:1]) if meshes is None else meshes[0]
+    mesh = make_mesh({"model": 1}, devices=devices[:1]) if meshes is None else meshes[0]
     return ModelRunner(abstract_serving_model(case.model_config, case.weights),
                        runner_config(config), mesh=mesh, abstract=True)
 
@@ -167,14 +171,10 @@ def abstract_drafter_runner(case: ServingCase, devices: Any = None) -> ModelRunn
     if not str(speculative.model).startswith("random:"):
         raise ValueError(f"draft model {speculative.model!r}: the AOT cases take a "
                          "'random:PRESET' drafter (shapes only)")
-    if devices is None:
-        from pallas_kernels.aot import topology_devices
-
-        devices = topology_devices(case.topology)
     draft = get_preset(str(speculative.model).removeprefix("random:"))
     return ModelRunner(abstract_serving_model(draft), drafter_runner_config(
-        runner_config(config)), mesh=make_mesh({"model": 1}, devices=list(devices)[:1]),
-        abstract=True)
+        runner_config(config)), mesh=make_mesh(
+            {"model": 1}, devices=_topology_devices(case, devices)[:1]), abstract=True)
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:
