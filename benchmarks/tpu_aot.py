@@ -111,12 +111,12 @@ class Linear:
         return self.fixed + layers * self.per_layer
 
 
-def layer_costs(case: aot.ServingCase, num_tokens: int, num_seqs: int
+def layer_costs(case: aot.ServingCase, num_tokens: int
                 ) -> tuple[Linear, dict[str, Linear], int, float]:
     """One bucket's FLOPs and collectives as fixed + per-layer parts, its step-input bytes,
     and the compiler's bytes accessed at full depth (extrapolated likewise)."""
-    one = aot.compile_step(aot.abstract_runner(_small(case, 1)), num_tokens, num_seqs)
-    two = aot.compile_step(aot.abstract_runner(_small(case, 2)), num_tokens, num_seqs)
+    one = aot.compile_step(aot.abstract_runner(_small(case, 1)), num_tokens)
+    two = aot.compile_step(aot.abstract_runner(_small(case, 2)), num_tokens)
 
     def split(a: float, b: float) -> Linear:
         return Linear(2 * a - b, b - a)
@@ -173,14 +173,15 @@ def run_case(case: aot.ServingCase, log) -> dict:
     # 1. The largest bucket at full depth, with a modest pool: memory and compile time.
     measure = case.replace(options=dict(case.options, num_pages=4096))
     runner = aot.abstract_runner(measure)
-    largest = (runner.config.max_num_batched_tokens, runner.config.max_num_seqs)
-    report = aot.compile_step(runner, *largest)
+    largest = (runner.config.max_num_batched_tokens,
+               runner.config.sequences_for(runner.config.max_num_batched_tokens))
+    report = aot.compile_step(runner, largest[0])
     log(f"{case.name}: largest bucket {largest} compiled in {report.compile_seconds:.0f} s")
     drafter = aot.abstract_drafter_runner(measure)
     if drafter is not None:
         # The drafter's step on the first chip, beside the target's shard, with the same
         # page count: the pool that fits is shared out between the two.
-        draft = aot.compile_step(drafter, *largest)
+        draft = aot.compile_step(drafter, largest[0])
         fixed = (report.hbm_bytes - report.pool_bytes) + (draft.hbm_bytes - draft.pool_bytes)
         result["drafter"] = dict(
             compile_s=draft.compile_seconds, weights=draft.weight_bytes,
@@ -203,19 +204,19 @@ def run_case(case: aot.ServingCase, log) -> dict:
         full_flops=report.flops, page_size=runner.config.page_size)
     # 2. The compiler checks the largest pool: it fits, and 5% more does not.
     fits = aot.compile_step(aot.abstract_runner(case.replace(options=dict(
-        case.options, num_pages=pages))), *largest)
+        case.options, num_pages=pages))), largest[0])
     headroom = available_bytes(case.chip) - fits.hbm_bytes
     if headroom > 0.01 * fits.pool_bytes:
         # The program with the big pool needed less than the small one predicted (the
         # compiler's temporaries change with the pool): take the room left, once.
         pages += int(headroom // aot.page_bytes(runner))
         fits = aot.compile_step(aot.abstract_runner(case.replace(options=dict(
-            case.options, num_pages=pages))), *largest)
+            case.options, num_pages=pages))), largest[0])
     result["largest_pages"] = pages
     result["largest_hbm"] = fits.hbm_bytes
     try:
         aot.compile_step(aot.abstract_runner(case.replace(options=dict(
-            case.options, num_pages=int(pages * GROWTH)))), *largest)
+            case.options, num_pages=int(pages * GROWTH)))), largest[0])
         result["over_refused"] = False
     except Exception as error:  # the TPU compiler's out-of-HBM error
         result["over_refused"] = "RESOURCE_EXHAUSTED" in str(error)
@@ -226,8 +227,7 @@ def run_case(case: aot.ServingCase, log) -> dict:
     # logits written and read once ([Q, V] float32, gathered whole on every chip).
     estimates = {}
     for batch in DECODE_BATCHES:
-        flops, collectives, inputs, accessed = layer_costs(case, runner.token_bucket(batch),
-                                                           batch)
+        flops, collectives, inputs, accessed = layer_costs(case, runner.token_bucket(batch))
         kv = aot.kv_read_bytes(runner, batch, CONTEXT)
         logits = 2 * 4 * batch * config.vocab_size
         num_tokens = runner.token_bucket(batch)
@@ -243,7 +243,7 @@ def run_case(case: aot.ServingCase, log) -> dict:
         if batch == DECODE_BATCHES[-1]:
             result["collectives_per_layer"] = {op: c.per_layer for op, c in collectives.items()}
             result["collectives_fixed"] = {op: c.fixed for op, c in collectives.items()}
-    flops, _, inputs, accessed = layer_costs(case, PREFILL_TOKENS, 1)
+    flops, _, inputs, accessed = layer_costs(case, PREFILL_TOKENS)
     total_flops = (flops.at(config.num_layers) + quantized_matmul_flops(case, PREFILL_TOKENS)
                    + attention_flops(case, PREFILL_TOKENS, PREFILL_TOKENS // 2,
                                      case.tensor_parallel))
@@ -253,7 +253,7 @@ def run_case(case: aot.ServingCase, log) -> dict:
                                 flops=total_flops, bytes=total_bytes, compiler_bytes=accessed,
                                 quantized_flops=quantized_matmul_flops(case, PREFILL_TOKENS))
     # The extrapolation against the full-depth program (same bucket, different pool).
-    flops_largest, _, _, _ = layer_costs(case, *largest)
+    flops_largest, _, _, _ = layer_costs(case, largest[0])
     result["extrapolation_ratio"] = flops_largest.at(config.num_layers) / report.flops
     result["estimates"] = estimates
     return result
@@ -273,7 +273,7 @@ def available_bytes(chip: aot.Chip) -> int:
                                tensor_parallel=1, num_layers=1,
                                options=dict(OPTIONS, num_pages=int(2 * chip.hbm_bytes // 65536)))
         try:
-            aot.compile_step(aot.abstract_runner(case), 8, 1)
+            aot.compile_step(aot.abstract_runner(case), 8)
         except Exception as error:
             match = re.search(r"exceeds available HBM \(([\d.]+)G\)", str(error))
             if match is None:
@@ -291,8 +291,7 @@ def depth_times(log) -> list[tuple[int, float]]:
         case = DEPTH_CASE.replace(num_layers=layers, options=dict(DEPTH_CASE.options,
                                                                   num_pages=4096))
         runner = aot.abstract_runner(case)
-        report = aot.compile_step(runner, runner.config.max_num_batched_tokens,
-                                  runner.config.max_num_seqs)
+        report = aot.compile_step(runner, runner.config.max_num_batched_tokens)
         log(f"depth {layers}: {report.compile_seconds:.0f} s")
         rows.append((layers, report.compile_seconds))
     return rows

@@ -14,6 +14,10 @@ import importlib
 from typing import Any
 
 from jaxinfer.config import PRESETS, ConfigError, ModelConfig, RopeScaling, get_preset
+from jaxinfer.runtime import tune_host_allocator
+
+# Before XLA starts its threads: see `jaxinfer.runtime`.
+tune_host_allocator()
 
 __version__ = "0.1.0"
 

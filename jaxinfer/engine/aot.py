@@ -199,7 +199,7 @@ class StepReport:
 
     Attributes:
         num_tokens: T of the bucket.
-        num_seqs: Q of the bucket.
+        num_seqs: Q of the bucket (min(T, max_num_seqs)).
         compile_seconds: Lowering plus compiling.
         weight_bytes: Weights per chip (from the parameters' shardings).
         pool_bytes: KV pages and scales per chip.
@@ -229,9 +229,9 @@ class StepReport:
         return self.argument_bytes + self.temp_bytes + self.code_bytes
 
 
-def compile_step(runner: ModelRunner, num_tokens: int, num_seqs: int,
-                 kind: str = STEP) -> StepReport:
-    """Compiles the runner's step for one bucket with the Pallas kernels; reports on it.
+def compile_step(runner: ModelRunner, num_tokens: int, kind: str = STEP) -> StepReport:
+    """Compiles the runner's step for one token bucket (its Q follows) with the Pallas
+    kernels; reports on it.
 
     Raises:
         Whatever the compiler raises (a kernel Mosaic rejects, a program that does not fit
@@ -241,14 +241,15 @@ def compile_step(runner: ModelRunner, num_tokens: int, num_seqs: int,
 
     started = time.perf_counter()
     with force_implementation("pallas"):
-        compiled = runner.lower(kind, num_tokens, num_seqs).compile()
+        compiled = runner.lower(kind, num_tokens).compile()
     seconds = time.perf_counter() - started
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):  # older jax: one dict per program
         cost = cost[0] if cost else {}
     return StepReport(
-        num_tokens, num_seqs, seconds, abstract_bytes_per_chip(runner.state),
+        num_tokens, runner.config.sequences_for(num_tokens), seconds,
+        abstract_bytes_per_chip(runner.state),
         abstract_bytes_per_chip((runner.pages, runner.scales)),
         int(memory.argument_size_in_bytes), int(memory.temp_size_in_bytes),
         int(memory.generated_code_size_in_bytes), float(cost.get("flops", 0.0)),

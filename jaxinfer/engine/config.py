@@ -275,8 +275,10 @@ class CompileConfig:
         min_token_bucket: The smallest padded token count of a step.
         bucket_growth: Ratio of consecutive token and sequence buckets (2 pads least; 4
             compiles fewer programs, so warm-up is faster).
-        enable_prompt_logprobs: Compile the step variant that can return prompt logprobs
-            (doubles warm-up); requests asking for them are rejected without it.
+        enable_prompt_logprobs: Allow requests to ask for prompt logprobs (their step
+            variant is compiled per token bucket on first use); they are rejected without it.
+        compilation_cache: Directory of the persistent compilation cache; None: the default
+            (`jaxinfer.runtime.default_cache_dir`); "off": no cache.
     """
 
     min_token_bucket: int = dataclasses.field(default=8,
@@ -285,8 +287,11 @@ class CompileConfig:
         default=2, metadata=_help("ratio of consecutive buckets (larger: fewer programs to "
                                   "compile, more padding)"))
     enable_prompt_logprobs: bool = dataclasses.field(
-        default=True, metadata=_help("compile the prompt-logprobs step (doubles warm-up)",
+        default=True, metadata=_help("allow prompt logprobs (their step compiles on first use)",
                                      alias="--prompt-logprobs"))
+    compilation_cache: str | None = dataclasses.field(
+        default=None, metadata=_help("persistent compilation cache directory ('off': none; "
+                                     "default: ~/.cache/jaxinfer/xla)"))
 
     def __post_init__(self) -> None:
         if not _positive_int(self.min_token_bucket):

@@ -54,6 +54,7 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.spec.proposer import Proposer, build_proposer
 from jaxinfer.models import Transformer
 from jaxinfer.multihost import StepChannel
+from jaxinfer.runtime import enable_compilation_cache
 from jaxinfer.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "Prompt", "runner_config"]
@@ -126,6 +127,8 @@ class Engine:
             # The drafter's steps run on process 0's devices only.
             raise ValueError("speculative decoding with a draft model is not supported across "
                              "several processes yet; use the ngram method")
+        # Before anything compiles: a warm cache turns warm-up into reading programs back.
+        self.compilation_cache = enable_compilation_cache(config.compile.compilation_cache)
         self.runner = ModelRunner(model, runner_config(config), mesh=mesh,
                                   channel=step_channel, channel_tag=channel_tag)
         self.speculative = config.speculative

@@ -3,8 +3,8 @@
 Each step receives, from the scheduler, the new tokens of every scheduled request (a prefill
 chunk or one decode token), where they sit (start position, block table) and whether a token
 must be sampled after them (`jaxinfer.engine.host.scheduler.ScheduledRequest`). The runner packs
-them into one `[1, T]` row (T rounded up to a token bucket, Q, the request count, rounded up to
-a sequence bucket, every block table padded to `pages_per_sequence` with the null page 0),
+them into one `[1, T]` row (T rounded up to a token bucket; the per-sequence arrays padded to
+Q = min(T, max_num_seqs) rows, every block table to `pages_per_sequence` with the null page 0),
 runs the model over the paged cache (donated, so it is updated in place), and samples one
 token per request from the logits of its last token, on device, with per-request
 parameters and per-request PRNG keys.
@@ -22,14 +22,19 @@ rows, skipped when no request has drafts) and verifies the drafts on device with
 speculative sampling (`jaxinfer.engine.spec.verify.verify`); drafts are `[Q, R]` arrays with a
 per-row count, so the step's shapes, and its compiled programs, stay those of its buckets.
 
-Shapes depend only on the two bucket sizes, so `warm_up` compiles every (T, Q) pair once and
-the engine never compiles again; `compilations` counts the cache entries to prove it.
+Shapes depend only on the token bucket (Q follows from T, as in tpu-inference), so there is
+one program per token bucket: `warm_up` lowers each and compiles them concurrently, and the
+engine never compiles again; `compilations` counts the programs to prove it. The step that also
+returns prompt logprobs is a second kind of program, compiled for a bucket the first time a
+request asks for them (it is rare, and compiling it for every bucket would double warm-up).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,9 +86,10 @@ class RunnerConfig:
             pages with a float32 scale per token and KV head.
         min_token_bucket: The smallest token bucket.
         max_logprobs: M, the top logprobs computed per token when a request asks for any.
-        enable_prompt_logprobs: Compile (and allow) the step that returns prompt logprobs.
-        bucket_growth: Ratio of consecutive buckets: 2 pads least, 4 compiles fewer programs
-            (faster warm-up) at up to 4x padding.
+        enable_prompt_logprobs: Allow the step that returns prompt logprobs (compiled per
+            token bucket on first use).
+        bucket_growth: Ratio of consecutive token buckets: 2 pads least, 4 compiles fewer
+            programs (faster warm-up) at up to 4x padding.
         num_speculative_tokens: R, the most draft tokens a request may bring to a step
             (0: no speculative decoding).
         draft_distributions: Whether drafts come with the drafter's distributions (a draft
@@ -134,9 +140,15 @@ class RunnerConfig:
         return power_of_two_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
                                     self.max_num_batched_tokens, self.bucket_growth)
 
+    def sequences_for(self, num_tokens: int) -> int:
+        """Q, the per-sequence rows of the step for token bucket `num_tokens`: a step never
+        has more sequences than tokens, nor more than `max_num_seqs`."""
+        return min(num_tokens, self.max_num_seqs)
+
     @property
     def sequence_buckets(self) -> tuple[int, ...]:
-        """Padded sequence counts the step is compiled for."""
+        """Padded sequence counts of programs that run over sequences only (the draft
+        model's decode loop), not of the step."""
         return power_of_two_buckets(1, self.max_num_seqs, self.bucket_growth)
 
 
@@ -215,10 +227,10 @@ def bucket_for(size: int, buckets: Sequence[int]) -> int:
 class ModelRunner:
     """Owns the model, the page pool and the compiled steps.
 
-    There are two step programs per bucket: the plain one, and one that also computes the
-    logits of every fed token for requests that asked for prompt logprobs (an lm-head over
-    the whole chunk, which the plain step avoids). The second is only compiled, and only
-    allowed, with `enable_prompt_logprobs`.
+    There are two step programs per token bucket: the plain one, and one that also computes
+    the logits of every fed token for requests that asked for prompt logprobs (an lm-head
+    over the whole chunk, which the plain step avoids). The second is only allowed with
+    `enable_prompt_logprobs`, and compiled on first use.
     """
 
     def __init__(self, model: Transformer, config: RunnerConfig, *, mesh: Mesh | None = None,
@@ -269,6 +281,9 @@ class ModelRunner:
             functools.partial(self._device_step, with_prompt_logprobs=True),
             donate_argnums=(1, 2), out_shardings=out_shardings)
         self._steps = {STEP: self._step, PROMPT_STEP: self._prompt_step}
+        # (kind, token bucket) -> its compiled program; `run` calls these, not the jit wrappers,
+        # so that a program compiled in a warm-up thread is the one that runs.
+        self._programs: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.warm_up_seconds: float | None = None
 
     def _allocate_pages(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
@@ -418,15 +433,15 @@ class ModelRunner:
             if end > len(sequence.block_table) * self.config.page_size:
                 raise ValueError(f"request {sequence.request_id!r}: {end} tokens do not fit "
                                  f"its {len(sequence.block_table)} pages")
-        return self._pack(sequences, self.token_bucket(total),
-                          self.sequence_bucket(len(sequences)))
+        return self._pack(sequences, self.token_bucket(total))
 
     def token_bucket(self, num_tokens: int) -> int:
         """The padded token count T of a step feeding `num_tokens` tokens."""
         return bucket_for(num_tokens, self.config.token_buckets)
 
     def sequence_bucket(self, num_seqs: int) -> int:
-        """The padded sequence count Q of a step over `num_seqs` sequences."""
+        """The padded sequence count of a program over `num_seqs` sequences only (the draft
+        model's decode loop; a step's Q follows from its token bucket)."""
         return bucket_for(num_seqs, self.config.sequence_buckets)
 
     def step_kind(self, sequences: Sequence[ScheduledRequest]) -> str:
@@ -443,10 +458,10 @@ class ModelRunner:
                              "runner was built without (enable_prompt_logprobs=False)")
         return PROMPT_STEP if wants_prompt else STEP
 
-    def _pack(self, sequences: Sequence[ScheduledRequest], num_tokens: int,
-              num_seqs: int) -> StepInputs:
-        """`prepare` for given bucket sizes (warm-up packs no sequences into each)."""
+    def _pack(self, sequences: Sequence[ScheduledRequest], num_tokens: int) -> StepInputs:
+        """`prepare` for a given token bucket (warm-up packs no sequences into each)."""
         config = self.config
+        num_seqs = config.sequences_for(num_tokens)
         token_ids = np.zeros(num_tokens, np.int32)  # [T]
         positions = np.zeros(num_tokens, np.int32)  # [T]
         slots = np.full(num_tokens, -1, np.int32)  # [T]; -1: padding writes nothing
@@ -571,17 +586,26 @@ class ModelRunner:
         """
         if kind not in self._steps:
             raise ValueError(f"unknown step kind {kind!r}; known: {list(STEP_KINDS)}")
-        step = self._steps[kind]
+        program = self._program(kind, inputs.token_ids.shape[0])
         if self._replicated is not None:
             inputs = jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(self._replicated, x), inputs)
         with activate(self.mesh, self.layout):
-            self.pages, self.scales, result = step(self.state, self.pages, self.scales, inputs)
+            self.pages, self.scales, result = program(self.state, self.pages, self.scales,
+                                                      inputs)
         return result
 
-    def lower(self, kind: str, num_tokens: int, num_seqs: int) -> jax.stages.Lowered:
-        """Lowers the step `kind` for one (T, Q) bucket without running it; `.compile()` it
-        for the compiled program, its memory and cost analyses and its HLO.
+    def _program(self, kind: str, num_tokens: int) -> jax.stages.Compiled:
+        """The compiled step `kind` for token bucket `num_tokens`, compiled now if it is not
+        yet (the persistent compilation cache may hold it)."""
+        program = self._programs.get((kind, num_tokens))
+        if program is None:
+            program = self._programs[(kind, num_tokens)] = self.lower(kind, num_tokens).compile()
+        return program
+
+    def lower(self, kind: str, num_tokens: int) -> jax.stages.Lowered:
+        """Lowers the step `kind` for token bucket T = `num_tokens` (and its Q) without running
+        it; `.compile()` it for the compiled program, its memory and cost analyses and its HLO.
 
         Works on an `abstract` runner too: then the mesh's devices need not be attached
         (a TPU topology described on a CPU machine), and the Pallas kernels lower for the
@@ -592,14 +616,12 @@ class ModelRunner:
         """
         if kind not in self._steps:
             raise ValueError(f"unknown step kind {kind!r}; known: {list(STEP_KINDS)}")
-        if num_tokens not in self.config.token_buckets or (
-                num_seqs not in self.config.sequence_buckets):
-            raise ValueError(f"({num_tokens}, {num_seqs}) is not a bucket: tokens "
-                             f"{self.config.token_buckets}, sequences "
-                             f"{self.config.sequence_buckets}")
+        if num_tokens not in self.config.token_buckets:
+            raise ValueError(f"{num_tokens} is not a token bucket: "
+                             f"{self.config.token_buckets}")
         inputs = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
-            self._pack([], num_tokens, num_seqs))
+            self._pack([], num_tokens))
         with activate(self.mesh, self.layout):
             return self._steps[kind].lower(self.state, self.pages, self.scales, inputs)
 
@@ -620,28 +642,34 @@ class ModelRunner:
         """The model with `state` (inside a program given to `run_on_cache`)."""
         return nnx.merge(self.graphdef, state)
 
-    def warm_up(self) -> float:
-        """Compiles the step for every (token bucket, sequence bucket) pair; returns seconds.
+    def warm_up(self, kinds: Sequence[str] = (STEP,)) -> float:
+        """Compiles the steps `kinds` for every token bucket; returns seconds.
 
-        Padding-only steps write nothing (every slot is -1) and read only the null page.
+        Tracing and lowering hold the GIL, so they run one after another; XLA's compiles
+        release it and run concurrently, one thread per core. A multi-host leader then runs
+        each program once on padding (which writes nothing and reads only the null page), so
+        that the followers, which receive it, compile theirs too.
         """
         started = time.perf_counter()
-        kinds = [STEP] + ([PROMPT_STEP] if self.config.enable_prompt_logprobs else [])
-        result = None
-        for num_tokens in self.config.token_buckets:
-            for num_seqs in self.config.sequence_buckets:
-                if num_seqs > num_tokens:
-                    continue  # a step never has more sequences than tokens
-                for kind in kinds:
-                    result = self._launch(kind, self._pack([], num_tokens, num_seqs))
-        jax.block_until_ready(result)
+        wanted = [(kind, num_tokens) for kind in kinds for num_tokens in self.config.token_buckets
+                  if (kind, num_tokens) not in self._programs]
+        lowered = {key: self.lower(*key) for key in wanted}
+        workers = max(1, min(len(lowered), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            compiled = {key: pool.submit(program.compile) for key, program in lowered.items()}
+            for key, future in compiled.items():
+                self._programs[key] = future.result()
+        if self._channel is not None:
+            for kind, num_tokens in wanted:
+                jax.block_until_ready(self._launch(kind, self._pack([], num_tokens)))
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
 
     @property
     def compilations(self) -> int:
-        """Programs compiled for the steps so far (constant after `warm_up`)."""
-        return self._step._cache_size() + self._prompt_step._cache_size()
+        """Step programs compiled so far (constant after `warm_up`, unless a request asks
+        for prompt logprobs in a bucket that has not had them yet)."""
+        return len(self._programs)
 
 
 def _wants_prompt_logprobs(sequence: ScheduledRequest) -> bool:

@@ -33,7 +33,7 @@ def test_an_abstract_runner_lowers_the_real_runners_program(devices):
                            mesh=mesh, abstract=True)
     assert all(isinstance(leaf, jax.ShapeDtypeStruct)
                for leaf in jax.tree.leaves((abstract.state, abstract.pages)))
-    assert real.lower(STEP, 16, 4).as_text() == abstract.lower(STEP, 16, 4).as_text()
+    assert real.lower(STEP, 16).as_text() == abstract.lower(STEP, 16).as_text()
     # What one device holds is what the real arrays put on it.
     on_device = sum(shard.data.nbytes for leaf in jax.tree.leaves(real.state)
                     for shard in leaf.addressable_shards if shard.device == jax.devices()[0])
@@ -43,10 +43,10 @@ def test_an_abstract_runner_lowers_the_real_runners_program(devices):
 def test_lower_takes_only_the_runners_buckets():
     abstract = ModelRunner(aot.abstract_serving_model(get_preset("tiny")),
                            RunnerConfig(**SIZES), abstract=True)
-    with pytest.raises(ValueError, match="not a bucket"):
-        abstract.lower(STEP, 12, 4)
+    with pytest.raises(ValueError, match="not a token bucket"):
+        abstract.lower(STEP, 12)
     with pytest.raises(ValueError, match="unknown step kind"):
-        abstract.lower("nope", 16, 4)
+        abstract.lower("nope", 16)
 
 
 def test_collectives_per_tensor_parallel_layer_on_cpu():
@@ -56,7 +56,7 @@ def test_collectives_per_tensor_parallel_layer_on_cpu():
         mesh = make_mesh({"model": 2}, devices=jax.devices()[:2])
         runner = ModelRunner(aot.abstract_serving_model(config), RunnerConfig(**SIZES),
                              mesh=mesh, abstract=True)
-        counts.append(aot.count_collectives(runner.lower(STEP, 16, 4).compile().as_text()))
+        counts.append(aot.count_collectives(runner.lower(STEP, 16).compile().as_text()))
     per_layer = {op: counts[1][op] - counts[0][op] for op in aot.COLLECTIVES}
     # Attention's output projection and the MLP's down projection each end in one.
     assert per_layer == {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0,
@@ -112,7 +112,7 @@ def test_the_drafter_runner_of_a_speculative_case():
     assert drafter.config.return_probabilities and drafter.config.num_speculative_tokens == 0
     assert drafter.config.num_pages == target.config.num_pages
     assert drafter.mesh.size == 1 and target.mesh.size == 2
-    assert aot.count_collectives(drafter.lower(STEP, 16, 4).compile().as_text()) == dict.fromkeys(
+    assert aot.count_collectives(drafter.lower(STEP, 16).compile().as_text()) == dict.fromkeys(
         aot.COLLECTIVES, 0)
     assert aot.abstract_drafter_runner(case.replace(options=SIZES)) is None
     with pytest.raises(ValueError, match="random:PRESET"):

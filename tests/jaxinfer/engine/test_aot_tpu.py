@@ -27,11 +27,10 @@ OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=2048, n
 NONE = dict.fromkeys(aot.COLLECTIVES, 0)
 
 
-def _per_layer(case: aot.ServingCase, num_tokens: int = 16, num_seqs: int = 16
-               ) -> tuple[dict[str, int], dict[str, int]]:
+def _per_layer(case: aot.ServingCase, num_tokens: int = 16) -> tuple[dict[str, int], dict[str, int]]:
     """(collectives per layer, collectives once per step) of one bucket's step."""
     counts = [aot.compile_step(aot.abstract_runner(case.replace(num_layers=layers)),
-                               num_tokens, num_seqs).collectives for layers in (1, 2)]
+                               num_tokens).collectives for layers in (1, 2)]
     per_layer = {op: counts[1][op] - counts[0][op] for op in aot.COLLECTIVES}
     once = {op: counts[0][op] - per_layer[op] for op in aot.COLLECTIVES}
     return per_layer, once
@@ -56,7 +55,7 @@ def test_int8_weights_and_kv_split_without_gathering_on_v5e_4():
     per_layer, _ = _per_layer(case)
     assert per_layer == dict(NONE, **{"all-reduce": 2})
     runner = aot.abstract_runner(case.replace(num_layers=1))
-    report = aot.compile_step(runner, 64, 16)
+    report = aot.compile_step(runner, 64)
     # Per chip: a quarter of the int8 layer (values and per-channel scales), the bf16
     # embedding and LM head split four ways.
     config = case.model_config
@@ -81,4 +80,4 @@ def test_the_compiler_refuses_a_pool_the_chip_cannot_hold():
                            tensor_parallel=1, num_layers=1,
                            options=dict(OPTIONS, num_pages=300_000))
     with pytest.raises(Exception, match=r"RESOURCE_EXHAUSTED.*HBM"):
-        aot.compile_step(aot.abstract_runner(case), 16, 16)
+        aot.compile_step(aot.abstract_runner(case), 16)

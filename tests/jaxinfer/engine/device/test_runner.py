@@ -69,27 +69,34 @@ def test_chunked_prefill_and_decode_equal_reference_generation(model):
     assert _drive(runner, prompts, 8, chunk=5) == expected
 
 
-def test_no_compilation_after_warm_up(model):
+def test_one_program_per_token_bucket_and_no_compilation_after_warm_up(model):
     runner = _runner(model)
     seconds = runner.warm_up()
     compiled = runner.compilations
-    # Two programs per bucket pair: the plain step and the prompt-logprobs step.
-    assert seconds > 0 and compiled == 2 * sum(
-        1 for t in runner.config.token_buckets for s in runner.config.sequence_buckets
-        if s <= t)
+    assert seconds > 0 and compiled == len(runner.config.token_buckets)
     _drive(runner, [[1, 2, 3, 4, 5, 6, 7], [1, 9]], 5, chunk=3)
     _drive(runner, [[1] * 20, [1, 5], [1, 6], [1, 7]], 3, chunk=32,
-           sampling=SamplingParams(temperature=0.7, logprobs=3, prompt_logprobs=2,
-                                   presence_penalty=0.5, logit_bias={4: 1.0}, min_tokens=2))
+           sampling=SamplingParams(temperature=0.7, logprobs=3, presence_penalty=0.5,
+                                   logit_bias={4: 1.0}, min_tokens=2))
     assert runner.compilations == compiled
 
 
-def test_prompt_logprobs_off_compiles_one_program_per_bucket(model):
+def test_prompt_logprobs_compile_their_program_once_per_bucket(model):
+    runner = _runner(model)
+    runner.warm_up()
+    compiled = runner.compilations
+    sampling = SamplingParams(prompt_logprobs=2)
+    _drive(runner, [[1] * 20, [1, 5]], 2, chunk=32, sampling=sampling)
+    first = runner.compilations
+    assert first > compiled
+    _drive(runner, [[1] * 20, [1, 5]], 2, chunk=32, sampling=sampling)
+    assert runner.compilations == first
+
+
+def test_prompt_logprobs_off_refuses_them(model):
     runner = _runner(model, enable_prompt_logprobs=False)
     runner.warm_up()
-    assert runner.compilations == sum(
-        1 for t in runner.config.token_buckets for s in runner.config.sequence_buckets
-        if s <= t)
+    assert runner.compilations == len(runner.config.token_buckets)
     with pytest.raises(ValueError, match="enable_prompt_logprobs=False"):
         _drive(runner, [[1, 2, 3]], 1, chunk=8, sampling=SamplingParams(prompt_logprobs=1))
 

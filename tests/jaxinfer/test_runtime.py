@@ -1,0 +1,73 @@
+"""Process settings: the host allocator and the persistent compilation cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer import runtime
+
+
+def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXINFER_COMPILATION_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert runtime.default_cache_dir() == tmp_path / "jaxinfer" / "xla"
+    monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", str(tmp_path / "mine"))
+    assert runtime.default_cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", "off")
+    assert runtime.default_cache_dir() is None
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_import_tunes_glibc_malloc_unless_told_not_to():
+    probe = "import jaxinfer, jaxinfer.runtime as r; print(r._state['malloc'])"
+    tuned = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           check=True, env={**os.environ, "JAXINFER_TUNE_MALLOC": "1"})
+    left = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True, env={**os.environ, "JAXINFER_TUNE_MALLOC": "0"})
+    assert tuned.stdout.strip() == "True" and left.stdout.strip() == "False"
+
+
+# A fresh process builds a tiny engine and warms it up, reporting the cache directory in use,
+# the programs warm-up compiled and how many the persistent cache answered.
+_WARM_UP = """
+import json, sys
+import jax
+from jax._src import monitoring
+hits = []
+monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event == '/jax/compilation_cache/cache_hits'
+    else None)
+from jaxinfer.engine.factory import load_engine
+engine = load_engine('random:tiny', max_num_seqs=4, max_num_batched_tokens=32,
+                     max_model_len=64, compilation_cache=sys.argv[1])
+engine.warm_up()
+print(json.dumps({'dir': jax.config.jax_compilation_cache_dir,
+                  'programs': engine.compilations, 'hits': len(hits)}))
+"""
+
+
+def _warm_up(cache: str) -> dict:
+    env = {key: value for key, value in os.environ.items()
+           if key != "JAXINFER_COMPILATION_CACHE"}
+    done = subprocess.run([sys.executable, "-c", _WARM_UP, cache], capture_output=True,
+                          text=True, check=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_reads_the_step_programs_from_the_cache(tmp_path):
+    first = _warm_up(str(tmp_path))
+    assert first["dir"] == str(tmp_path) and first["programs"] > 0
+    assert any(pathlib.Path(tmp_path).iterdir())
+    second = _warm_up(str(tmp_path))
+    assert second["hits"] >= second["programs"] == first["programs"]
+
+
+def test_the_cache_can_be_switched_off(tmp_path):
+    assert _warm_up("off")["dir"] in (None, "")
