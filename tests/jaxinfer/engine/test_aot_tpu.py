@@ -27,7 +27,8 @@ OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=2048, n
 NONE = dict.fromkeys(aot.COLLECTIVES, 0)
 
 
-def _per_layer(case: aot.ServingCase, num_tokens: int = 16) -> tuple[dict[str, int], dict[str, int]]:
+def _per_layer(case: aot.ServingCase, num_tokens: int = 16
+               ) -> tuple[dict[str, int], dict[str, int]]:
     """(collectives per layer, collectives once per step) of one bucket's step."""
     counts = [aot.compile_step(aot.abstract_runner(case.replace(num_layers=layers)),
                                num_tokens).collectives for layers in (1, 2)]
