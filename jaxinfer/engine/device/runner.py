@@ -285,6 +285,9 @@ class ModelRunner:
         # so that a program compiled in a warm-up thread is the one that runs.
         self._programs: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.warm_up_seconds: float | None = None
+        # Wall seconds `execute` spent packing inputs on the host ("prepare") and running the
+        # step until its results were back on the host ("device").
+        self.seconds = {"prepare": 0.0, "device": 0.0}
 
     def _allocate_pages(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
         """The zeroed page pool (and int8 scales), created directly on their shards."""
@@ -541,8 +544,13 @@ class ModelRunner:
         """
         if not sequences:
             return RunnerOutput({}, {})
+        started = time.perf_counter()
         kind = self.step_kind(sequences)
-        result: StepOutputs = jax.device_get(self._launch(kind, self.prepare(sequences)))
+        inputs = self.prepare(sequences)
+        prepared = time.perf_counter()
+        result: StepOutputs = jax.device_get(self._launch(kind, inputs))
+        self.seconds["prepare"] += prepared - started
+        self.seconds["device"] += time.perf_counter() - prepared
         sampled, prompt, speculated = {}, {}, {}
         offset = 0
         for s, sequence in enumerate(sequences):

@@ -10,7 +10,12 @@ import time
 
 import pytest
 
-from jaxinfer.bench.throughput import bench_engine_config, load_bench_model, run_throughput
+from jaxinfer.bench.throughput import (
+    bench_engine_config,
+    load_bench_model,
+    run_throughput,
+    throughput_table,
+)
 from jaxinfer.bench.workload import make_requests
 from jaxinfer.cli import main
 from jaxinfer.engine.config import BENCH_DEFAULTS, EngineConfig
@@ -18,7 +23,7 @@ from jaxinfer.generate import generate
 
 # Few buckets (tokens 16, 32 x sequences 1, 2, 4), so warm-up compiles 6 small programs.
 OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=16)
-# One token bucket (16) x sequences 1, 2: prompts of up to 12 tokens take chunked prefills.
+# One token bucket (16): prompts of up to 20 tokens take chunked prefills.
 SMALL_ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16",
                 "--min-token-bucket", "16"]
 
@@ -54,7 +59,7 @@ def test_engine_numbers_follow_from_the_run(result, requests):
     assert engine["output_tokens_per_s"] == pytest.approx(output / engine["elapsed_s"])
     assert engine["total_tokens_per_s"] == pytest.approx((prompt + output) / engine["elapsed_s"])
     assert engine["compilations_during_run"] == 0
-    assert engine["programs"] == 6  # every (token, sequence) bucket pair, once
+    assert engine["programs"] == 2  # one per token bucket (16, 32)
     assert 0 < engine["warm_up_s"] < result["wall_s"]
     # At most 4 running: the 8-token outputs need at least 8 decode steps after prefill.
     assert max(request.output_len for request in requests) <= engine["num_steps"] < 60
@@ -163,3 +168,16 @@ def test_bench_engine_config_sizes_the_workload_and_keeps_prompt_logprobs_off():
         **BENCH_DEFAULTS, max_model_len=16, enable_prompt_logprobs=False)
     with pytest.raises(ValueError, match=r"\['max_model_len'\] are set by the benchmark"):
         bench_engine_config({"max_model_len": 64}, 16)
+
+
+def test_the_run_reports_its_steps_against_the_roofline(result):
+    roofline = result["roofline"]
+    assert roofline["peaks"]["matmul_flops"] > 0 and roofline["peaks"]["read_bytes"] > 0
+    # max_num_seqs = 4: decode at batch 16 and 64 does not fit and is skipped.
+    assert [step["name"] for step in roofline["steps"]] == ["prefill", "decode@1"]
+    for step in roofline["steps"]:
+        assert 0 < step["floor_s"] and 0 < step["host_seconds"] + step["device_seconds"]
+        assert step["seconds"] == pytest.approx(step["host_seconds"] + step["device_seconds"])
+    assert 0 < result["engine"]["host_fraction"] < 1
+    assert "measured / floor" in throughput_table(result)
+

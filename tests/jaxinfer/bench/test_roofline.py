@@ -1,0 +1,26 @@
+"""The roofline floor's arithmetic, worked by hand on the tiny preset."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer.bench.roofline import Peaks, StepCost, layer_matmul_parameters, step_cost
+from jaxinfer.config import get_preset
+
+
+def test_layer_parameters_and_step_cost_by_hand():
+    config = get_preset("tiny")
+    d, h, f = config.hidden_size, config.head_dim, config.intermediate_size
+    n, k, v, layers = config.num_heads, config.num_kv_heads, config.vocab_size, config.num_layers
+    per_layer = d * h * (2 * n + 2 * k) + 3 * d * f
+    assert layer_matmul_parameters(config) == per_layer
+    # 4 decode tokens, each over 10 keys.
+    cost = step_cost(config, 4, 4, 40, 40)
+    assert cost.flops == 2 * per_layer * layers * 4 + 2 * d * v * 4 + 4 * n * h * 40 * layers
+    kv_token = 2 * k * h * layers * 4  # float32
+    assert cost.bytes == (per_layer * layers + d * v) * 4 + 40 * kv_token + 4 * kv_token
+
+
+def test_the_floor_adds_compute_and_memory_time():
+    peaks = Peaks(matmul_flops=1e11, read_bytes=1e10, dtype="float32")
+    assert StepCost(2e9, 5e8).floor_seconds(peaks) == pytest.approx(0.02 + 0.05)
