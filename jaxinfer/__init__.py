@@ -14,9 +14,9 @@ import importlib
 from typing import Any
 
 from jaxinfer.config import PRESETS, ConfigError, ModelConfig, RopeScaling, get_preset
-from jaxinfer.runtime import tune_host_allocator
+from jaxinfer.host_allocator import tune_host_allocator
 
-# Before XLA starts its threads: see `jaxinfer.runtime`.
+# Before XLA starts its threads: see `jaxinfer.host_allocator`.
 tune_host_allocator()
 
 __version__ = "0.1.0"

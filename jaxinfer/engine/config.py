@@ -278,7 +278,7 @@ class CompileConfig:
         enable_prompt_logprobs: Allow requests to ask for prompt logprobs (their step
             variant is compiled per token bucket on first use); they are rejected without it.
         compilation_cache: Directory of the persistent compilation cache; None: the default
-            (`jaxinfer.runtime.default_cache_dir`); "off": no cache.
+            (`jaxinfer.compilation_cache.default_cache_dir`); "off": no cache.
     """
 
     min_token_bucket: int = dataclasses.field(default=8,

@@ -42,6 +42,7 @@ import time
 
 from jax.sharding import Mesh
 
+from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.engine.client import EngineStats
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig
@@ -56,7 +57,6 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.spec.proposer import Proposer, build_proposer
 from jaxinfer.models import Transformer
 from jaxinfer.multihost import StepChannel
-from jaxinfer.runtime import enable_compilation_cache
 from jaxinfer.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "Prompt", "runner_config"]

@@ -176,7 +176,7 @@ def test_the_run_reports_its_steps_against_the_roofline(result):
     # max_num_seqs = 4: decode at batch 16 and 64 does not fit and is skipped.
     assert [step["name"] for step in roofline["steps"]] == ["prefill", "decode@1"]
     for step in roofline["steps"]:
-        assert 0 < step["floor_s"] and 0 < step["host_seconds"] + step["device_seconds"]
+        assert step["floor_s"] > 0 and step["host_seconds"] + step["device_seconds"] > 0
         assert step["seconds"] == pytest.approx(step["host_seconds"] + step["device_seconds"])
     assert 0 < result["engine"]["host_fraction"] < 1
     assert "measured / floor" in throughput_table(result)

@@ -1,37 +1,24 @@
-"""Process settings: the host allocator and the persistent compilation cache."""
+"""The persistent compilation cache."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 
-import pytest
-
-from jaxinfer import runtime
+from jaxinfer import compilation_cache
 
 
 def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("JAXINFER_COMPILATION_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert runtime.default_cache_dir() == tmp_path / "jaxinfer" / "xla"
+    assert compilation_cache.default_cache_dir() == tmp_path / "jaxinfer" / "xla"
     monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", str(tmp_path / "mine"))
-    assert runtime.default_cache_dir() == tmp_path / "mine"
+    assert compilation_cache.default_cache_dir() == tmp_path / "mine"
     monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", "off")
-    assert runtime.default_cache_dir() is None
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-def test_import_tunes_glibc_malloc_unless_told_not_to():
-    probe = "import jaxinfer, jaxinfer.runtime as r; print(r._state['malloc'])"
-    tuned = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                           check=True, env={**os.environ, "JAXINFER_TUNE_MALLOC": "1"})
-    left = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          check=True, env={**os.environ, "JAXINFER_TUNE_MALLOC": "0"})
-    assert tuned.stdout.strip() == "True" and left.stdout.strip() == "False"
+    assert compilation_cache.default_cache_dir() is None
 
 
 # A fresh process builds a tiny engine and warms it up, reporting the cache directory in use,
