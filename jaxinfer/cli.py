@@ -134,6 +134,15 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _peers(text: str) -> tuple[str, ...]:
+    """`--compare`'s value: a comma-separated subset of hf, vllm."""
+    peers = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = sorted(set(peers) - {"hf", "vllm"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peers {unknown}: choose from hf, vllm")
+    return peers
+
+
 def _add_bench_common(parser: argparse.ArgumentParser,
                       engine_defaults: Mapping[str, Any]) -> None:
     """Model, engine and report flags both benchmarks take. The engine flags are
@@ -156,9 +165,11 @@ def _add_bench_common(parser: argparse.ArgumentParser,
     add_engine_arguments(parser, engine_defaults,
                          exclude=("max_model_len", "enable_prompt_logprobs"))
     peer = parser.add_argument_group("comparison and reports")
-    peer.add_argument("--compare-hf", action="store_true",
-                      help="also run HF transformers generate on the same weights "
-                           "(needs torch and transformers: pip install -e \".[test]\")")
+    peer.add_argument("--compare", type=_peers, default=(), metavar="hf[,vllm]",
+                      help="peers to run on the same requests and weights: hf (transformers "
+                           "generate; needs the test extras) and, for throughput, vllm "
+                           "(vLLM for CPU in its own environment: make vllm-env)")
+    peer.add_argument("--compare-hf", action="store_true", help="the same as --compare hf")
     peer.add_argument("--hf-threads", type=int, default=None,
                       help="torch intra-op threads for the HF peer (default: torch's)")
     peer.add_argument("--seed", type=int, default=0, help="seeds the prompts")
@@ -209,13 +220,19 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAc
 
 def _run_bench(args: argparse.Namespace) -> int:
     # Imported here so that `jaxinfer --help` answers without initializing jax or torch.
-    from jaxinfer.bench import hf_peer, latency, throughput
+    from jaxinfer.bench import hf_peer, latency, throughput, vllm_peer
     from jaxinfer.bench.workload import make_requests
     from jaxinfer.engine.config import engine_options_from_args
 
+    compare_hf = args.compare_hf or "hf" in args.compare
+    compare_vllm = "vllm" in args.compare
     try:
-        if args.compare_hf:
-            hf_peer.require_transformers()  # fail now, not after the engine run
+        if compare_vllm and args.bench_command != "throughput":
+            raise ValueError("--compare vllm is for bench throughput")
+        if compare_hf:  # fail now, not after the engine run
+            hf_peer.require_transformers()
+        if compare_vllm:
+            vllm_peer.vllm_python()
         dtype = args.dtype
         model = throughput.load_bench_model(
             args.model, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
@@ -228,18 +245,19 @@ def _run_bench(args: argparse.Namespace) -> int:
                                      input_len=args.input_len_range,
                                      output_len=args.output_len, seed=args.seed)
             result = throughput.run_throughput(model, requests, options,
-                                               compare_hf=args.compare_hf,
+                                               compare_hf=compare_hf,
                                                hf_batch_size=args.hf_batch_size,
                                                hf_threads=args.hf_threads,
-                                               roofline=not args.no_roofline)
+                                               roofline=not args.no_roofline,
+                                               compare_vllm=compare_vllm)
             table, title = throughput.throughput_table(result), "jaxinfer bench throughput"
         else:
             result = latency.run_latency(
                 model, batch_sizes=args.batch_size, input_len=args.input_len,
                 output_len=args.output_len, iterations=args.iterations, options=options,
-                compare_hf=args.compare_hf, hf_threads=args.hf_threads, seed=args.seed)
+                compare_hf=compare_hf, hf_threads=args.hf_threads, seed=args.seed)
             table, title = latency.latency_table(result), "jaxinfer bench latency"
-    except hf_peer.HFUnavailableError as error:
+    except (hf_peer.HFUnavailableError, vllm_peer.VLLMUnavailableError) as error:
         raise CommandError(str(error)) from None
     except (ValueError, FileNotFoundError, KeyError) as error:
         raise CommandError(str(error)) from None

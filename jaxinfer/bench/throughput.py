@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxinfer.bench import hf_peer
+from jaxinfer.bench import hf_peer, vllm_peer
 from jaxinfer.bench.workload import (
     BenchRequest,
     max_sequence_len,
@@ -206,7 +206,7 @@ def agreement(requests: Sequence[BenchRequest], ours: dict[str, list[int]],
 def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
                    options: Mapping[str, Any] | None = None, *, compare_hf: bool = False,
                    hf_batch_size: int = 16, hf_threads: int | None = None,
-                   roofline: bool = True) -> dict[str, Any]:
+                   roofline: bool = True, compare_vllm: bool = False) -> dict[str, Any]:
     """The throughput benchmark.
 
     Args:
@@ -216,6 +216,8 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         compare_hf: Also run transformers on the same requests and weights.
         hf_batch_size: HF's static batch size.
         hf_threads: torch intra-op threads (None: torch's default).
+        compare_vllm: Also run vLLM for CPU (`make vllm-env`) on the same requests and
+            weights, with the engine's step sizes (`jaxinfer.bench.vllm_peer`).
         roofline: After the run, measure the machine's peaks and time a prefill step and
             decode steps at batch 1/16/64 against their floors (`jaxinfer.bench.roofline`).
 
@@ -229,6 +231,8 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         HFUnavailableError: compare_hf without torch/transformers (raised before any work).
     """
     hf_model = hf_peer.load_hf_peer(model, hf_threads) if compare_hf else None
+    if compare_vllm:
+        vllm_peer.vllm_python()  # fail now, not after the engine run
     engine = build_engine(model, options, max_sequence_len(requests))
     warm_up_s = engine.warm_up()
     run = run_engine(engine, requests)
@@ -244,6 +248,20 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         "speculative": speculative_summary(engine),
         "token_ids": {"engine": run.token_ids},
     }
+    if compare_vllm:
+        scheduler = engine.config.scheduler
+        vllm_run = vllm_peer.run_vllm(
+            model, requests, max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            max_model_len=engine.config.max_model_len)
+        check_lengths(requests, vllm_run.token_ids, "vLLM")
+        result["vllm"] = {**rates(requests, vllm_run.elapsed_s),
+                          "warm_up_s": vllm_run.startup_s, "version": vllm_run.version}
+        result["engine_over_vllm"] = (result["engine"]["output_tokens_per_s"]
+                                      / result["vllm"]["output_tokens_per_s"])
+        result["vllm_token_agreement"] = agreement(requests, run.token_ids,
+                                                   vllm_run.token_ids)
+        result["token_ids"]["vllm"] = vllm_run.token_ids
     total_seconds = sum(engine.seconds.values())
     if total_seconds > 0:
         host = total_seconds - engine.runner.seconds["device"]
@@ -285,8 +303,17 @@ def throughput_table(result: dict[str, Any]) -> str:
                      f"{hf['requests_per_s']:.2f} | {hf['output_tokens_per_s']:.1f} | "
                      f"{hf['total_tokens_per_s']:.1f} | {hf['elapsed_s']:.2f} | "
                      f"{hf['warm_up_s']:.1f} | n/a |")
+    if "vllm" in result:
+        peer = result["vllm"]
+        lines.append(f"| vLLM {peer['version']} (CPU) | {peer['requests_per_s']:.2f} | "
+                     f"{peer['output_tokens_per_s']:.1f} | {peer['total_tokens_per_s']:.1f} | "
+                     f"{peer['elapsed_s']:.2f} | {peer['warm_up_s']:.1f} | n/a |")
+    if "hf" in result:
         lines.append(f"\nengine / HF output tok/s: **{result['engine_over_hf']:.2f}x**; "
                      f"token-identical requests: {result['hf_token_agreement']:.0%}")
+    if "vllm" in result:
+        lines.append(f"\nengine / vLLM output tok/s: **{result['engine_over_vllm']:.2f}x**; "
+                     f"token-identical requests: {result['vllm_token_agreement']:.0%}")
     if "host_fraction" in engine:
         lines.append(f"\nhost share of the engine's step time (scheduling, packing, outputs): "
                      f"{engine['host_fraction']:.0%}")
