@@ -224,7 +224,8 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, config: RunnerConfig, *, mesh: Mesh | None = None,
                  layout: str = "tensor_parallel", channel: StepChannel | None = None,
-                 channel_tag: int = 0, abstract: bool = False) -> None:
+                 channel_tag: int = 0, abstract: bool = False, scan_layers: bool = True
+                 ) -> None:
         """Builds the page pool and the jitted steps (not yet compiled).
 
         Args:
@@ -243,13 +244,16 @@ class ModelRunner:
                 carrying their shardings, and the runner can only `lower` its steps. This is
                 how a step is compiled ahead of time for devices that are described, not
                 attached (`jaxinfer.engine.aot`).
+            scan_layers: Run the blocks as one `lax.scan` over their stacked weights when
+                they allow it (`jaxinfer.models.scan`); False unrolls them, e.g. to read one
+                layer's cost off programs of different depths.
         """
         self.config = config
         self.model_config = model.config
         self.mesh = mesh
         self.layout = layout
         self.abstract = abstract
-        self.graphdef, self.state = self._split_model(model)
+        self.graphdef, self.state = self._split_model(model, scan_layers)
         if abstract:
             self.state = self._placed_abstract_state()
         self.pages, self.scales = self._allocate_pages()  # scales: None unless int8
@@ -272,7 +276,8 @@ class ModelRunner:
         self._steps = {STEP: self._step, PROMPT_STEP: self._prompt_step}
         self.warm_up_seconds: float | None = None
 
-    def _split_model(self, model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
+    def _split_model(self, model: Transformer,
+                     scan_layers: bool) -> tuple[nnx.GraphDef, nnx.State]:
         """The graph and state the steps run: those of the model with its blocks stacked
         (`jaxinfer.models.scan.stack_layers`: the step scans one block over the layers, so
         its compile time does not grow with depth), or of the model as given when its
@@ -282,7 +287,7 @@ class ModelRunner:
         the mesh with its block sharding behind a replicated layer axis. It copies the
         blocks' weights; the model itself is left as it was.
         """
-        if uniform_block_graphdef(list(model.layers)) is None:
+        if not scan_layers or uniform_block_graphdef(list(model.layers)) is None:
             return nnx.split(model)
         graphdef, state = nnx.split(model)
         stacked_graphdef, abstract_state = nnx.split(nnx.eval_shape(

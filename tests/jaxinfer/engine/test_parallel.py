@@ -129,11 +129,12 @@ def test_expert_parallel_mixtral_equals_one_device():
     engine = build_engine(model, EngineConfig.from_options(
             **_engine_options(expert_parallel_size=4)))
     specs = describe(engine.runner.state)
-    # Experts over 'expert' (the replica's 'model' axis has size 1 here).
-    assert specs["layers.0.mlp.gate_proj"] == PartitionSpec("expert", None, "model")
-    assert specs["layers.0.mlp.down_proj"] == PartitionSpec("expert", "model", None)
-    gate = engine.runner.state["layers"][0]["mlp"]["gate_proj"].get_value()  # [E, D, F]
-    assert {shard.data.shape[0] for shard in gate.addressable_shards} == {1}  # 1 expert each
+    # Experts over 'expert' (the replica's 'model' axis has size 1 here), behind the runner's
+    # replicated layer axis.
+    assert specs["stacked_layers.mlp.gate_proj"] == PartitionSpec(None, "expert", None, "model")
+    assert specs["stacked_layers.mlp.down_proj"] == PartitionSpec(None, "expert", "model", None)
+    gate = engine.runner.state["stacked_layers"]["mlp"]["gate_proj"].get_value()  # [L, E, D, F]
+    assert {shard.data.shape[1] for shard in gate.addressable_shards} == {1}  # 1 expert each
     assert len(gate.sharding.device_set) == 4
     assert _run(engine, prompts, arrivals) == expected
 
