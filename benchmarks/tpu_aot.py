@@ -16,9 +16,12 @@ jitted step is compiled ahead of time (`jaxinfer.engine.aot`) and the table repo
 - collectives per layer in the compiled HLO;
 - compile time against depth (8/32/80 layers).
 
-Cost and collectives come from the programs at 1 and 2 layers: the layers are identical
-(unrolled in Python), so one layer's share is the difference and the rest is what the model
-does once (embedding, LM head, sampler). The full-depth program's FLOPs check the
+The engine's step scans over its stacked layers (`jaxinfer.models.scan`): one copy of the
+block whatever the depth, so its compile time is flat in depth, and the compiler's cost
+analysis of a loop does not tell one layer's share. Cost and collectives therefore come from
+programs compiled with the layers unrolled (`scan_layers=False`) at 1 and 2 layers: the
+layers are identical, so one layer's share is the difference and the rest is what the model
+does once (embedding, LM head, sampler). The unrolled full-depth program's FLOPs check the
 extrapolation. The attention kernel is a Mosaic custom call without a cost model: its KV
 reads and FLOPs are added from the sizes (each sequence holding `CONTEXT` tokens). The bytes
 term is what must cross HBM (weights, inputs, KV read, logits), not the compiler's `bytes
@@ -115,8 +118,10 @@ def layer_costs(case: aot.ServingCase, num_tokens: int
                 ) -> tuple[Linear, dict[str, Linear], int, float]:
     """One bucket's FLOPs and collectives as fixed + per-layer parts, its step-input bytes,
     and the compiler's bytes accessed at full depth (extrapolated likewise)."""
-    one = aot.compile_step(aot.abstract_runner(_small(case, 1)), num_tokens)
-    two = aot.compile_step(aot.abstract_runner(_small(case, 2)), num_tokens)
+    one = aot.compile_step(aot.abstract_runner(_small(case, 1), scan_layers=False),
+                           num_tokens)
+    two = aot.compile_step(aot.abstract_runner(_small(case, 2), scan_layers=False),
+                           num_tokens)
 
     def split(a: float, b: float) -> Linear:
         return Linear(2 * a - b, b - a)
@@ -252,9 +257,11 @@ def run_case(case: aot.ServingCase, log) -> dict:
     estimates["prefill"] = dict(ms=1000 * seconds, tokens_per_s=PREFILL_TOKENS / seconds,
                                 flops=total_flops, bytes=total_bytes, compiler_bytes=accessed,
                                 quantized_flops=quantized_matmul_flops(case, PREFILL_TOKENS))
-    # The extrapolation against the full-depth program (same bucket, different pool).
+    # The extrapolation against the full-depth program (same bucket, different pool),
+    # unrolled as the 1- and 2-layer programs are.
     flops_largest, _, _, _ = layer_costs(case, largest[0])
-    result["extrapolation_ratio"] = flops_largest.at(config.num_layers) / report.flops
+    unrolled = aot.compile_step(aot.abstract_runner(measure, scan_layers=False), largest[0])
+    result["extrapolation_ratio"] = flops_largest.at(config.num_layers) / unrolled.flops
     result["estimates"] = estimates
     return result
 

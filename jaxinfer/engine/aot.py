@@ -146,8 +146,10 @@ def _topology_devices(case: ServingCase, devices: Any) -> list[Any]:
     return list(devices)
 
 
-def abstract_runner(case: ServingCase, devices: Any = None) -> ModelRunner:
-    """An abstract runner for `case` on the first replica mesh of the topology's devices."""
+def abstract_runner(case: ServingCase, devices: Any = None, *,
+                    scan_layers: bool = True) -> ModelRunner:
+    """An abstract runner for `case` on the first replica mesh of the topology's devices
+    (`scan_layers=False`: its step unrolls the layers, see `ModelRunner`)."""
     devices = _topology_devices(case, devices)
     config = case.engine_config()
     meshes = replica_meshes(config.parallel, devices=devices)
@@ -155,7 +157,8 @@ def abstract_runner(case: ServingCase, devices: Any = None) -> ModelRunner:
     # kernels are for, where the engine would ask the attached device.
     mesh = make_mesh({"model": 1}, devices=devices[:1]) if meshes is None else meshes[0]
     return ModelRunner(abstract_serving_model(case.model_config, case.weights),
-                       runner_config(config), mesh=mesh, abstract=True)
+                       runner_config(config), mesh=mesh, abstract=True,
+                       scan_layers=scan_layers)
 
 
 def abstract_drafter_runner(case: ServingCase, devices: Any = None) -> ModelRunner | None:

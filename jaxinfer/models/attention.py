@@ -49,12 +49,16 @@ class PagedBatch(NamedTuple):
 
 
 class PagedLayerCache(NamedTuple):
-    """One layer's pages `[P, page_size, 2K, H]` and the batch that reads and writes them;
-    for an int8 cache, also its float32 scales `[P, page_size, 2K]`."""
+    """The stacked pool, the layer whose pages this block reads and writes, and the batch.
 
-    pages: jax.Array
+    The block indexes `pages[layer]` inside the attention ops (`layer=`), so neither a loop
+    nor a scan over layers copies a layer's pages out of the pool.
+    """
+
+    pages: jax.Array  # [L, P, Z, 2K, H]
     batch: PagedBatch
-    scales: jax.Array | None = None
+    scales: jax.Array | None = None  # [L, P, Z, 2K] of an int8 pool
+    layer: jax.Array | int = 0  # int32 scalar (a scan's index) or a Python int
 
 
 def dot_product_attention(
@@ -197,45 +201,48 @@ class Attention(nnx.Module):
         Under tensor parallelism (the active layout splits KV heads over a mesh axis of
         `shards` devices) each shard runs this on its own heads: its queries
         `[T, N/shards, H]`, its new keys and values `[T, K/shards, H]` and its slice
-        `[P, page_size, 2K/shards, H]` of the pool, which holds exactly those KV heads because
+        `[L, P, Z, 2K/shards, H]` of the pool, which holds exactly those KV heads because
         keys and values are interleaved per head. Attention needs nothing from other heads, so
         the block runs without communication; o_proj then sums over heads.
         """
         batch = cache.batch
         axis = active_axis("act_kv_heads")
-        # attended [T, N, H], pages [P, page_size, 2K, H], scales [P, page_size, 2K] or None
+        layer = jnp.asarray(cache.layer, jnp.int32)  # [] this block's layer of the pool
+        # attended [T, N, H], pages [L, P, Z, 2K, H], scales [L, P, Z, 2K] or None
         if axis is None:
             attended, pages, scales = self._paged_local(queries[0], keys[0], values[0],
-                                                        cache.pages, cache.scales, batch)
+                                                        cache.pages, cache.scales, layer,
+                                                        batch)
         else:
             heads = PartitionSpec(None, axis, None)  # [T, N|K, H]
-            pool = PartitionSpec(None, None, axis, None)  # [P, page_size, 2K, H]
-            scale_spec = None if cache.scales is None else PartitionSpec(None, None, axis)
+            pool = PartitionSpec(None, None, None, axis, None)  # [L, P, Z, 2K, H]
+            scale_spec = None if cache.scales is None else PartitionSpec(None, None, None, axis)
             attended, pages, scales = jax.shard_map(
                 self._paged_local,
-                in_specs=(heads, heads, heads, pool, scale_spec, PartitionSpec()),
+                in_specs=(heads, heads, heads, pool, scale_spec, PartitionSpec(),
+                          PartitionSpec()),
                 out_specs=(heads, pool, scale_spec), check_vma=False,
-            )(queries[0], keys[0], values[0], cache.pages, cache.scales, batch)
+            )(queries[0], keys[0], values[0], cache.pages, cache.scales, layer, batch)
         out = self._output_projection(attended[None])  # [1, T, D]
-        return out, PagedLayerCache(pages, batch, scales)
+        return out, PagedLayerCache(pages, batch, scales, cache.layer)
 
     def _paged_local(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
-                     pages: jax.Array, scales: jax.Array | None, batch: PagedBatch
-                     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+                     pages: jax.Array, scales: jax.Array | None, layer: jax.Array,
+                     batch: PagedBatch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """`_paged` on one shard's heads: queries `[T, N, H]`, keys and values `[T, K, H]`,
-        the pool `[P, page_size, 2K, H]` (scales `[P, page_size, 2K]`); returns the
-        attention outputs `[T, N, H]` and the updated pool and scales."""
+        the stacked pool `[L, P, Z, 2K, H]` (scales `[L, P, Z, 2K]`) and the layer to use;
+        returns the attention outputs `[T, N, H]` and the updated pool and scales."""
         if scales is None:
-            pages = write_to_pages(pages, keys, values,
-                                   batch.slot_mapping)  # [P, page_size, 2K, H]
-            read = pages.astype(self.dtype)  # [P, page_size, 2K, H]
+            pages = write_to_pages(pages, keys, values, batch.slot_mapping,
+                                   layer=layer)  # [L, P, Z, 2K, H]
         else:
             pages, scales = write_to_quantized_pages(
-                pages, scales, keys, values,
-                batch.slot_mapping)  # [P, page_size, 2K, H] int8, [P, page_size, 2K]
-            read = pages  # [P, page_size, 2K, H] int8
+                pages, scales, keys, values, batch.slot_mapping,
+                layer=layer)  # [L, P, Z, 2K, H] int8, [L, P, Z, 2K]
+        # A float pool in another dtype than the compute dtype is read as stored and widened
+        # to float32 by the attention (as the reference and the kernels do for every pool).
         attended = ragged_paged_attention(
-            queries, read, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
+            queries, pages, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
             batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
-            sliding_window=self.sliding_window, kv_scales=scales)  # [T, N, H]
+            sliding_window=self.sliding_window, kv_scales=scales, layer=layer)  # [T, N, H]
         return attended, pages, scales

@@ -3,7 +3,9 @@
 `Transformer(config, rngs=...)` builds the Llama-family model described by a `ModelConfig`
 (dense SwiGLU or Mixtral MoE blocks, tied or untied embeddings). `create_model` builds it
 directly onto a device mesh under a sharding layout. The forward pass takes token ids and
-their positions and, optionally, a contiguous KV cache (`KVCache`) that it updates.
+their positions and, optionally, a contiguous KV cache (`KVCache`) or the engine's page pool
+(`PagedKVCache`) that it updates. `jaxinfer.models.scan.stack_layers` gives the copy of a
+model whose blocks run as one `lax.scan` (the engine's runner uses it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import Attention, LayerCache, PagedBatch, PagedLayerCache
 from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_linear, make_norm
 from jaxinfer.models.moe import MoEBlock
+from jaxinfer.models.scan import scan_blocks
 from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
 
 
@@ -39,31 +42,31 @@ class KVCache(NamedTuple):
 
 
 class PagedKVCache(NamedTuple):
-    """The engine's page pool: one `[P, page_size, 2K, H]` array per layer (page p is the same
-    slot of the same tokens in every layer), plus the step's `PagedBatch`.
+    """The engine's page pool, every layer's pages stacked in one `[L, P, Z, 2K, H]` array
+    (page p is the same slot of the same tokens in every layer), plus the step's `PagedBatch`.
 
-    An int8 pool also holds one float32 `[P, page_size, 2K]` scale array per layer: one
-    scale per token and (interleaved) key or value head over head_dim, symmetric absmax / 127
-    (`pallas_kernels.ragged_paged_attention.write_to_quantized_pages`).
+    An int8 pool also holds float32 scales `[L, P, Z, 2K]`: one scale per token and
+    (interleaved) key or value head over head_dim, symmetric absmax / 127
+    (`pallas_kernels.ragged_paged_attention.write_to_quantized_pages`). Layer l reads and
+    writes `pages[l]` through the ops' `layer=` index, never a slice of the pool.
     """
 
-    layers: tuple[jax.Array, ...]
+    pages: jax.Array  # [L, P, Z, 2K, H]
     batch: PagedBatch
-    scales: tuple[jax.Array, ...] | None = None
+    scales: jax.Array | None = None  # [L, P, Z, 2K]
 
     @classmethod
     def create(cls, config: ModelConfig, num_pages: int, page_size: int,
                batch: PagedBatch, dtype: str | None = None) -> PagedKVCache:
         """Allocates a zeroed pool of `num_pages` pages per layer; `dtype="int8"` gives the
         quantized pool with its scales."""
-        # Per layer: pages [P, page_size, 2K, H]; an int8 pool's scales [P, page_size, 2K].
-        shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, num_pages, page_size, 2 * config.num_kv_heads,
+                 config.head_dim)  # [L, P, Z, 2K, H]
         cache_dtype = dtype_of(dtype or config.dtype)
-        layers = tuple(jnp.zeros(shape, cache_dtype) for _ in range(config.num_layers))
         scales = None
         if cache_dtype == jnp.int8:
-            scales = tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(config.num_layers))
-        return cls(layers, batch, scales)
+            scales = jnp.zeros(shape[:4], jnp.float32)  # [L, P, Z, 2K]
+        return cls(jnp.zeros(shape, cache_dtype), batch, scales)
 
 
 AnyCache = KVCache | PagedKVCache
@@ -73,17 +76,19 @@ def _layer_cache(cache: AnyCache | None, index: int) -> LayerCache | PagedLayerC
     if cache is None:
         return None
     if isinstance(cache, PagedKVCache):
-        scales = None if cache.scales is None else cache.scales[index]
-        return PagedLayerCache(cache.layers[index], cache.batch, scales)
+        return PagedLayerCache(cache.pages, cache.batch, cache.scales, index)
     return cache.layers[index]
 
 
-def _rebuild_cache(cache: AnyCache | None, layers: list) -> AnyCache | None:
+def _with_layer(cache: AnyCache | None, index: int,
+                layer_cache: LayerCache | PagedLayerCache | None) -> AnyCache | None:
+    """`cache` after layer `index` updated it (a paged layer returns the whole pool)."""
     if cache is None:
         return None
     if isinstance(cache, PagedKVCache):
-        scales = None if cache.scales is None else tuple(layer.scales for layer in layers)
-        return PagedKVCache(tuple(layer.pages for layer in layers), cache.batch, scales)
+        return cache._replace(pages=layer_cache.pages, scales=layer_cache.scales)
+    layers = list(cache.layers)
+    layers[index] = layer_cache
     return KVCache(tuple(layers))
 
 
@@ -121,6 +126,9 @@ class Transformer(nnx.Module):
                                dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderBlock(config, rngs=rngs)
                                 for _ in range(config.num_layers)])
+        # Set only on the scanning copy `jaxinfer.models.scan.stack_layers` makes (then
+        # `layers` is empty): one block whose variables hold every layer's arrays.
+        self.stacked_layers: DecoderBlock | None = None
         self.final_norm = make_norm(config, rngs=rngs)
         if config.embedding_projection:
             orthogonal = jax.nn.initializers.orthogonal()
@@ -166,14 +174,27 @@ class Transformer(nnx.Module):
 
         Returns:
             `([B, T, D]` final hidden states, the updated cache or None`)`.
+
+        Raises:
+            ValueError: A model with stacked layers was given a contiguous cache or
+                `intermediates` (its scan serves the paged cache and no cache only).
         """
         x = self.embed_tokens(token_ids)  # [B, T, D]
         if intermediates is not None:
             intermediates.append(x)
-        new_layers = []
+        if self.stacked_layers is not None:
+            if intermediates is not None or isinstance(cache, KVCache):
+                raise ValueError("a model with stacked layers runs with a paged cache or none,"
+                                 " without intermediates")
+            pages, scales, batch = (None, None, None) if cache is None else (
+                cache.pages, cache.scales, cache.batch)  # [L, P, Z, 2K, H], [L, P, Z, 2K]
+            x, pages, scales = scan_blocks(self.stacked_layers, x, positions, pages, scales,
+                                           batch)  # [B, T, D]
+            if cache is not None:
+                cache = cache._replace(pages=pages, scales=scales)
         for index, block in enumerate(self.layers):
             x, layer_cache = block(x, positions, _layer_cache(cache, index))  # [B, T, D]
-            new_layers.append(layer_cache)
+            cache = _with_layer(cache, index, layer_cache)
             if intermediates is not None:
                 intermediates.append(x)
         x = self.final_norm(x)  # [B, T, D]
@@ -181,7 +202,7 @@ class Transformer(nnx.Module):
             intermediates.append(x)
         if self.output_projection is not None:
             x = self.output_projection(x)  # [B, T, D]
-        return x, _rebuild_cache(cache, new_layers)
+        return x, cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Projects `[B, T, D]` hidden states to `[B, T, V]` float32 logits."""

@@ -45,13 +45,16 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
     implementation: str = "auto",
 ) -> jax.Array:
     """`[T, N, H]` attention of packed query tokens to their sequences' paged keys.
 
     See `reference.ragged_paged_attention_reference` for the arguments; `soft_cap` caps the
     logits as `cap * tanh(s / cap)`; `kv_scales` (`[P, Z, 2K]` float32) marks an int8
-    pool written by `write_to_quantized_pages`.
+    pool written by `write_to_quantized_pages`. With `layer` (an int32 scalar, e.g. a scan's
+    layer index), `kv_pages` is the stacked `[L, P, Z, 2K, H]` pool of every layer (scales
+    `[L, P, Z, 2K]`) and that layer's pages are read in place.
 
     Raises:
         ValueError: An unknown implementation.
@@ -59,14 +62,16 @@ def ragged_paged_attention(
     choice = dispatch.resolve(implementation)
     arguments = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if choice in ("pallas", "interpret"):
-        block_tokens, pages_per_block = block_sizes(queries.shape[0], kv_pages.shape[1],
+        page_size = kv_pages.shape[1 if layer is None else 2]
+        block_tokens, pages_per_block = block_sizes(queries.shape[0], page_size,
                                                     queries.shape[2])
         return ragged_paged_attention_kernel(
             *arguments, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            kv_scales=kv_scales, block_tokens=block_tokens, pages_per_block=pages_per_block,
+            kv_scales=kv_scales, layer=layer, block_tokens=block_tokens,
+            pages_per_block=pages_per_block,
             interpret=dispatch.interpret_mode(choice))
     implementations = {"xla": ragged_paged_attention_xla,
                        "reference": ragged_paged_attention_reference}
     return implementations[choice](*arguments, sm_scale=sm_scale,
                                    sliding_window=sliding_window, soft_cap=soft_cap,
-                                   kv_scales=kv_scales)
+                                   kv_scales=kv_scales, layer=layer)

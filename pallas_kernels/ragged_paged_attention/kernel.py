@@ -39,15 +39,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.ragged_paged_attention.reference import as_stacked
+
 _MASKED = -1e30  # finite: a row that sees nothing keeps exp(...) == 0 instead of NaN
 
 
 def _kernel(
     # scalar prefetch (SMEM)
-    kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref,
+    kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, layer_ref,
     # inputs
     queries_ref,  # [E, rows, H] this head block's query rows of the tile (block_tokens * G)
-    kv_pages_hbm,  # [P, Z, 2K, H] the whole pool, left in HBM
+    kv_pages_hbm,  # [L, P, Z, 2K, H] the whole stacked pool, left in HBM
     *refs,
     quantized: bool,
     group: int,
@@ -60,7 +62,7 @@ def _kernel(
     soft_cap: float | None,
 ):
     if quantized:
-        # kv_scales_hbm [P, Z, 2K]; scale_buffer [2, pages_per_block, Z, 2K]
+        # kv_scales_hbm [L, P, Z, 2K]; scale_buffer [2, pages_per_block, Z, 2K]
         (kv_scales_hbm, out_ref, buffer, semaphores, scale_buffer, scale_semaphores,
          running_max, denominator, accumulator) = refs
     else:
@@ -69,7 +71,7 @@ def _kernel(
     # value pages; semaphores [2, pages_per_block]; running_max, denominator [E, rows, 1] f32;
     # accumulator [E, rows, H] f32.
     head_block = pl.program_id(0)
-    if kv_pages_hbm.shape[2] == 2 * heads_per_block:
+    if kv_pages_hbm.shape[3] == 2 * heads_per_block:
         # One program owns every head: a static 0, which Mosaic knows is tile-aligned. The
         # dynamic `0 * 2E` is only known to be a multiple of 2E, and HBM tiles a narrow int8
         # head axis (2K = 2: one KV head, as at TP = K) in 4 rows, so Mosaic rejected it.
@@ -77,6 +79,7 @@ def _kernel(
     else:
         first_row = pl.multiple_of(head_block * (2 * heads_per_block), 2 * heads_per_block)
     tile = pl.program_id(1)
+    layer = layer_ref[0]
     page_size = buffer.shape[2]
     rows = block_tokens * group
     block_keys = pages_per_block * page_size
@@ -115,11 +118,12 @@ def _kernel(
                     entry = jnp.minimum(block * pages_per_block + page, pages_per_seq - 1)
                     physical = page_indices_ref[sequence * pages_per_seq + entry]
                     result.append(pltpu.make_async_copy(
-                        kv_pages_hbm.at[physical, :, pl.ds(first_row, 2 * heads_per_block), :],
+                        kv_pages_hbm.at[layer, physical, :,
+                                        pl.ds(first_row, 2 * heads_per_block), :],
                         buffer.at[slot, page], semaphores.at[slot, page]))
                     if quantized:
                         result.append(pltpu.make_async_copy(
-                            kv_scales_hbm.at[physical],
+                            kv_scales_hbm.at[layer, physical],
                             scale_buffer.at[slot, page], scale_semaphores.at[slot, page]))
                 return result
 
@@ -209,6 +213,7 @@ def ragged_paged_attention_kernel(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
     block_tokens: int = 16,
     pages_per_block: int = 4,
     interpret: bool | pltpu.InterpretParams = False,
@@ -218,7 +223,8 @@ def ragged_paged_attention_kernel(
     Args:
         queries: `[T, N, H]` packed query tokens of all sequences.
         kv_pages: `[P, Z, 2K, H]` the page pool, keys and values interleaved on the
-            head axis, with this step's keys already written.
+            head axis, with this step's keys already written (with `layer`: the stacked
+            `[L, P, Z, 2K, H]` pool, whose pages the kernel copies from `[layer, page]`).
         kv_lens: `[Q]` int32 key count of each sequence (this step's tokens included).
         page_indices: `[Q, pages_per_seq]` int32 page tables.
         cu_q_lens: `[Q + 1]` int32 query offsets.
@@ -226,7 +232,10 @@ def ragged_paged_attention_kernel(
         sm_scale: Softmax scale.
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (Gemma-2 style), or None.
-        kv_scales: `[P, Z, 2K]` float32 scales of an int8 pool, or None.
+        kv_scales: `[P, Z, 2K]` float32 scales of an int8 pool (`[L, P, Z, 2K]` stacked), or
+            None.
+        layer: int32 scalar: the layer of a stacked pool to read (scalar-prefetched with the
+            page tables); None for a one-layer pool.
         block_tokens: Packed query tokens per program.
         pages_per_block: Pages copied and computed together.
         interpret: `pallas_call`'s interpret argument (False compiles for TPU).
@@ -237,8 +246,9 @@ def ragged_paged_attention_kernel(
     Raises:
         ValueError: Heads that do not group evenly over the KV heads.
     """
+    kv_pages, kv_scales, layer = as_stacked(kv_pages, kv_scales, layer)  # [L, P, Z, 2K, H]
     num_tokens, num_heads, head_dim = queries.shape
-    _, page_size, combined_heads, _ = kv_pages.shape
+    _, _, page_size, combined_heads, _ = kv_pages.shape
     num_kv_heads = combined_heads // 2
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
@@ -277,7 +287,7 @@ def ragged_paged_attention_kernel(
                                     jnp.float32),
                          pltpu.SemaphoreType.DMA((2, pages_per_block))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(num_kv_heads // heads_per_block, num_tiles),
         in_specs=[row_block, in_hbm] + ([in_hbm] if quantized else []),
         out_specs=row_block,
@@ -296,7 +306,8 @@ def ragged_paged_attention_kernel(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(max_seqs * pages_per_seq).astype(
-        jnp.int32), cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), regrouped,
+        jnp.int32), cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32),
+      jnp.asarray(layer, jnp.int32).reshape(1), regrouped,
       kv_pages, *([kv_scales.astype(jnp.float32)] if quantized else []))  # [K, T' * G, H]
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(
         1, 0, 2, 3)  # [T', K, G, H]

@@ -21,6 +21,15 @@ so a stored row dequantizes as `kv_pages[p, r, c].astype(f32) * kv_scales[p, r, 
 mirror the pages without their head-dim axis, so one slot index addresses both.
 `write_to_quantized_pages` quantizes as it writes; every implementation takes `kv_scales=`.
 
+Stacked layers: a model that scans over its layers keeps every layer's pool in one array,
+
+    kv_pages:  [L, P, Z, 2K, H]   kv_scales: [L, P, Z, 2K]
+
+and passes `layer=` (an int32 scalar, traced inside the scan) to the writes and to attention,
+which then index `kv_pages[layer, page]` directly. Slicing `kv_pages[layer]` out first would
+copy that layer's whole pool on every call (XLA materializes a dynamic slice of a loop carry
+before scattering into it), so the ops take the index instead of the slice.
+
 Ragged batch description (all int32):
 
     cu_q_lens: [Q + 1]  query token offsets: sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
@@ -41,8 +50,19 @@ import jax.numpy as jnp
 _MASKED = -1e30  # finite, so a fully masked (padding) row stays NaN-free
 
 
-def _scatter_rows(pool: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Sets `pool[slot] = row` for a flat `[P * Z, ...]` pool; negative slots drop."""
+def as_stacked(kv_pages: jax.Array, kv_scales: jax.Array | None,
+            layer: jax.Array | int | None) -> tuple[jax.Array, jax.Array | None, jax.Array | int]:
+    """The pool as `[L, P, Z, 2K, H]` (scales `[L, P, Z, 2K]`) and the layer to use: a
+    one-layer pool (`layer=None`) becomes a stack of one, its layer 0 (a free reshape)."""
+    if layer is None:
+        return kv_pages[None], None if kv_scales is None else kv_scales[None], 0
+    return kv_pages, kv_scales, layer
+
+
+def _scatter_rows(pool: jax.Array, rows: jax.Array, slot_mapping: jax.Array,
+                  layer: jax.Array | int | None = None) -> jax.Array:
+    """Sets `pool[slot] = row` for a flat `[P * Z, ...]` pool, or `pool[layer, slot] = row`
+    for a stacked `[L, P * Z, ...]` one; negative slots drop."""
     slots = slot_mapping
     if slots.shape[0] == 1:
         # XLA rewrites a one-row scatter into a dynamic-update-slice that, on CPU, copies the
@@ -51,8 +71,11 @@ def _scatter_rows(pool: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> 
         rows = jnp.concatenate([rows, jnp.zeros_like(rows)])  # [2, ...]
         slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])  # [2]
     # Negative slots become out of range so that mode="drop" skips them.
-    slots = jnp.where(slots < 0, pool.shape[0], slots)  # [T]
-    return pool.at[slots].set(rows, mode="drop")
+    if layer is None:
+        slots = jnp.where(slots < 0, pool.shape[0], slots)  # [T]
+        return pool.at[slots].set(rows, mode="drop")
+    slots = jnp.where(slots < 0, pool.shape[1], slots)  # [T]
+    return pool.at[layer, slots].set(rows, mode="drop")
 
 
 def _interleave(keys: jax.Array, values: jax.Array) -> jax.Array:
@@ -62,24 +85,33 @@ def _interleave(keys: jax.Array, values: jax.Array) -> jax.Array:
                                                      head_dim)  # [T, 2K, H]
 
 
+def _flat(pool: jax.Array, layer: jax.Array | int | None) -> jax.Array:
+    """`[P, Z, ...]` -> `[P * Z, ...]`, or `[L, P, Z, ...]` -> `[L, P * Z, ...]` with a layer."""
+    lead = 0 if layer is None else 1
+    shape = pool.shape
+    return pool.reshape(*shape[:lead], shape[lead] * shape[lead + 1], *shape[lead + 2:])
+
+
 def write_to_pages(kv_pages: jax.Array, keys: jax.Array, values: jax.Array,
-                   slot_mapping: jax.Array) -> jax.Array:
+                   slot_mapping: jax.Array, *, layer: jax.Array | int | None = None
+                   ) -> jax.Array:
     """Writes new keys and values into their page slots.
 
     Args:
-        kv_pages: `[P, Z, 2K, H]` the pool (one layer's).
+        kv_pages: `[P, Z, 2K, H]` the pool (one layer's), or with `layer` the stacked
+            `[L, P, Z, 2K, H]` pool of every layer.
         keys: `[T, K, H]` new keys, one per token.
         values: `[T, K, H]` new values.
         slot_mapping: `[T]` int32 flat slot `page * page_size + row` of each token; negative
             slots (padding tokens) are dropped.
+        layer: int32 scalar: the layer of a stacked pool to write; None for a one-layer pool.
 
     Returns:
-        The updated `[P, Z, 2K, H]` pool.
+        The updated pool, shaped as given.
     """
-    num_pages, page_size, combined_heads, head_dim = kv_pages.shape
     rows = _interleave(keys, values).astype(kv_pages.dtype)  # [T, 2K, H]
-    flat = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)  # [P*Z, 2K, H]
-    return _scatter_rows(flat, rows, slot_mapping).reshape(kv_pages.shape)
+    flat = _flat(kv_pages, layer)  # [P*Z, 2K, H] or [L, P*Z, 2K, H]
+    return _scatter_rows(flat, rows, slot_mapping, layer).reshape(kv_pages.shape)
 
 
 def quantize_kv_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -92,26 +124,28 @@ def quantize_kv_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def write_to_quantized_pages(kv_pages: jax.Array, kv_scales: jax.Array, keys: jax.Array,
-                             values: jax.Array,
-                             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+                             values: jax.Array, slot_mapping: jax.Array, *,
+                             layer: jax.Array | int | None = None
+                             ) -> tuple[jax.Array, jax.Array]:
     """Quantizes new keys and values to int8 (one scale per token and head) and writes them.
 
     Args:
-        kv_pages: `[P, Z, 2K, H]` int8 pool (one layer's).
-        kv_scales: `[P, Z, 2K]` float32 scales of the pool's rows.
+        kv_pages: `[P, Z, 2K, H]` int8 pool (one layer's), or with `layer` the stacked
+            `[L, P, Z, 2K, H]` pool.
+        kv_scales: `[P, Z, 2K]` float32 scales of the pool's rows (`[L, P, Z, 2K]` stacked).
         keys: `[T, K, H]` new float keys.
         values: `[T, K, H]` new float values.
         slot_mapping: `[T]` int32 flat slots; negative slots are dropped.
+        layer: int32 scalar: the layer of a stacked pool to write; None for a one-layer pool.
 
     Returns:
-        The updated `(kv_pages, kv_scales)`.
+        The updated `(kv_pages, kv_scales)`, shaped as given.
     """
-    num_pages, page_size, combined_heads, head_dim = kv_pages.shape
     quantized, scales = quantize_kv_rows(_interleave(keys, values))  # [T, 2K, H], [T, 2K]
-    flat_pages = kv_pages.reshape(num_pages * page_size, combined_heads, head_dim)
-    flat_scales = kv_scales.reshape(num_pages * page_size, combined_heads)
-    return (_scatter_rows(flat_pages, quantized, slot_mapping).reshape(kv_pages.shape),
-            _scatter_rows(flat_scales, scales, slot_mapping).reshape(kv_scales.shape))
+    flat_pages = _flat(kv_pages, layer)  # [P*Z, 2K, H] or [L, P*Z, 2K, H]
+    flat_scales = _flat(kv_scales, layer)  # [P*Z, 2K] or [L, P*Z, 2K]
+    return (_scatter_rows(flat_pages, quantized, slot_mapping, layer).reshape(kv_pages.shape),
+            _scatter_rows(flat_scales, scales, slot_mapping, layer).reshape(kv_scales.shape))
 
 
 def dequantize_pages(kv_pages: jax.Array, kv_scales: jax.Array | None) -> jax.Array:
@@ -133,12 +167,14 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
     Args:
         queries: `[T, N, H]` packed query tokens of all sequences.
-        kv_pages: `[P, Z, 2K, H]` the page pool, keys and values interleaved.
+        kv_pages: `[P, Z, 2K, H]` the page pool, keys and values interleaved (with `layer`:
+            the stacked `[L, P, Z, 2K, H]` pool).
         kv_lens: `[Q]` int32 key count of each sequence (this step's tokens included).
         page_indices: `[Q, pages_per_seq]` int32 page table of each sequence.
         cu_q_lens: `[Q + 1]` int32 query offsets.
@@ -146,16 +182,19 @@ def ragged_paged_attention_reference(
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (Gemma-2 style `cap * tanh(s / cap)`), or None.
-        kv_scales: `[P, Z, 2K]` scales of an int8 pool, or None for a float pool.
+        kv_scales: `[P, Z, 2K]` scales of an int8 pool (`[L, P, Z, 2K]` stacked), or None
+            for a float pool.
+        layer: int32 scalar: the layer of a stacked pool to read; None for a one-layer pool.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
     """
+    kv_pages, kv_scales, layer = as_stacked(kv_pages, kv_scales, layer)  # [L, P, Z, 2K, H]
     num_tokens, num_heads, head_dim = queries.shape
-    num_kv_heads = kv_pages.shape[2] // 2
+    num_kv_heads = kv_pages.shape[3] // 2
     group = num_heads // num_kv_heads
     max_seqs, pages_per_seq = page_indices.shape
-    page_size = kv_pages.shape[1]
+    page_size = kv_pages.shape[2]
     max_len = pages_per_seq * page_size
 
     token = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
@@ -167,7 +206,8 @@ def ragged_paged_attention_reference(
     position = kv_lens[sequence] - (cu_q_lens[sequence + 1] - token)  # [T]
 
     gathered = dequantize_pages(
-        kv_pages[page_indices], None if kv_scales is None else kv_scales[page_indices]
+        kv_pages[layer, page_indices],
+        None if kv_scales is None else kv_scales[layer, page_indices]
     ).reshape(max_seqs, max_len, 2 * num_kv_heads, head_dim)  # [Q, S, 2K, H]
     keys = gathered[:, :, 0::2][sequence]  # [T, S, K, H]
     values = gathered[:, :, 1::2][sequence]  # [T, S, K, H]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.reference import dequantize_pages
+from pallas_kernels.ragged_paged_attention.reference import as_stacked, dequantize_pages
 
 # Per query row (a token, or a decode sequence): running max [rows, K, G], denominator
 # [rows, K, G], weighted sum of values [rows, K, G, H].
@@ -133,9 +133,12 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
     return tuple(jnp.concatenate(parts) for parts in zip(*per_block, strict=True))
 
 
-def _pages(kv_pages: jax.Array, kv_scales: jax.Array | None, index: jax.Array) -> jax.Array:
-    """Float32 pages (or rows) at `index` of the pool, dequantized when it is int8."""
-    return dequantize_pages(kv_pages[index], None if kv_scales is None else kv_scales[index])
+def _pages(kv_pages: jax.Array, kv_scales: jax.Array | None, layer: jax.Array | int,
+           index: jax.Array) -> jax.Array:
+    """Float32 pages (or rows) at `index` of the stacked pool's `layer` (`[L, P, ...]`; one
+    gather straight from the pool, no copy of the layer), dequantized when it is int8."""
+    return dequantize_pages(kv_pages[layer, index],
+                            None if kv_scales is None else kv_scales[layer, index])
 
 
 # Decode sequences per page walk: the walk of a group runs to its longest member's context,
@@ -146,15 +149,16 @@ DECODE_SEQUENCE_GROUP = 16
 
 
 def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
-                          page_indices: jax.Array, decode_queries: jax.Array,
-                          decode_context: jax.Array, decode_position: jax.Array,
-                          window: int | jax.Array, windowed: bool,
+                          layer: jax.Array | int, page_indices: jax.Array,
+                          decode_queries: jax.Array, decode_context: jax.Array,
+                          decode_position: jax.Array, window: int | jax.Array, windowed: bool,
                           soft_cap: float | None = None) -> Stats:
     """Earlier keys of the decode sequences: groups of similar length walk their pages.
 
     Args:
-        kv_pages: `[P, Z, 2K, H]` the pool.
-        kv_scales: `[P, Z, 2K]` scales of an int8 pool, or None.
+        kv_pages: `[L, P, Z, 2K, H]` the stacked pool.
+        kv_scales: `[L, P, Z, 2K]` scales of an int8 pool, or None.
+        layer: The layer of the pool to read.
         page_indices: `[Q, pages_per_seq]` page tables.
         decode_queries: `[Q, K, G, H]` each sequence's one (scaled) query.
         decode_context: `[Q]` keys before this step (0 for non-decode sequences).
@@ -167,7 +171,7 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
         Per-sequence softmax statistics `[Q, K, G(, H)]`.
     """
     max_seqs = page_indices.shape[0]
-    page_size = kv_pages.shape[1]
+    page_size = kv_pages.shape[2]
     _, num_kv_heads, group, head_dim = decode_queries.shape
     group_size = min(DECODE_SEQUENCE_GROUP, max_seqs)
     num_groups = -(-max_seqs // group_size)
@@ -186,7 +190,7 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
         def decode_page(page: jax.Array, carry: Stats, context: jax.Array = context,
                         queries: jax.Array = queries, position: jax.Array = position,
                         table: jax.Array = table) -> Stats:
-            block = _pages(kv_pages, kv_scales, table[:, page])  # [group_size, Z, 2K, H]
+            block = _pages(kv_pages, kv_scales, layer, table[:, page])  # [group_size, Z, 2K, H]
             page_scores = _soft_capped(jnp.einsum("qkgh,qzkh->qkgz", queries,
                                                   block[:, :, 0::2]),
                                        soft_cap)  # [group_size, K, G, Z]
@@ -220,13 +224,15 @@ def ragged_paged_attention_xla(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
     Args:
         queries: `[T, N, H]` packed query tokens of all sequences.
-        kv_pages: `[P, Z, 2K, H]` the page pool, keys and values interleaved; this
-            step's keys and values must already be written.
+        kv_pages: `[P, Z, 2K, H]` the page pool, keys and values interleaved (with `layer`:
+            the stacked `[L, P, Z, 2K, H]` pool); this step's keys and values must already
+            be written.
         kv_lens: `[Q]` int32 key count of each sequence (this step's tokens included).
         page_indices: `[Q, pages_per_seq]` int32 page table of each sequence.
         cu_q_lens: `[Q + 1]` int32 query offsets.
@@ -234,13 +240,16 @@ def ragged_paged_attention_xla(
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (`cap * tanh(s / cap)`), or None.
-        kv_scales: `[P, Z, 2K]` scales of an int8 pool, or None for a float pool.
+        kv_scales: `[P, Z, 2K]` scales of an int8 pool (`[L, P, Z, 2K]` stacked), or None
+            for a float pool.
+        layer: int32 scalar: the layer of a stacked pool to read; None for a one-layer pool.
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
     """
+    kv_pages, kv_scales, layer = as_stacked(kv_pages, kv_scales, layer)  # [L, P, Z, 2K, H]
     num_tokens, num_heads, head_dim = queries.shape
-    num_pages, page_size, combined_heads, _ = kv_pages.shape
+    num_layers, num_pages, page_size, combined_heads, _ = kv_pages.shape
     num_kv_heads = combined_heads // 2
     group = num_heads // num_kv_heads
     max_seqs = page_indices.shape[0]
@@ -260,10 +269,11 @@ def ragged_paged_attention_xla(
     # 1. This step's keys: read back from their slots, attended block-diagonally and causally.
     slot = (page_indices[sequence, jnp.clip(position, 0) // page_size] * page_size
             + jnp.clip(position, 0) % page_size)  # [T]
-    flat_scales = None if kv_scales is None else kv_scales.reshape(num_pages * page_size,
-                                                                   combined_heads)
-    new_kv = _pages(kv_pages.reshape(num_pages * page_size, combined_heads, head_dim),
-                    flat_scales, slot)  # [T, 2K, H]
+    flat_scales = None if kv_scales is None else kv_scales.reshape(
+        num_layers, num_pages * page_size, combined_heads)  # [L, P*Z, 2K]
+    new_kv = _pages(kv_pages.reshape(num_layers, num_pages * page_size, combined_heads,
+                                     head_dim),
+                    flat_scales, layer, slot)  # [T, 2K, H]
     new_keys, new_values = new_kv[:, 0::2], new_kv[:, 1::2]  # [T, K, H] each
     if num_tokens >= 2 * QUERY_BLOCK and num_tokens % QUERY_BLOCK == 0:
         stats = _blocked_step_attention(grouped, new_keys, new_values, sequence, position, real,
@@ -282,9 +292,9 @@ def ragged_paged_attention_xla(
     decode_queries = grouped[last_token]  # [Q, K, G, H]
     decode_position = kv_lens - 1  # [Q]
 
-    decode_stats = _decode_context_stats(kv_pages, kv_scales, page_indices, decode_queries,
-                                         decode_context, decode_position, window,
-                                         sliding_window is not None, soft_cap)
+    decode_stats = _decode_context_stats(kv_pages, kv_scales, layer, page_indices,
+                                         decode_queries, decode_context, decode_position,
+                                         window, sliding_window is not None, soft_cap)
     # Token t takes its sequence's row only if it is that decode sequence's one token.
     takes_row = decode[sequence] & real  # [T]
     row_stats = jax.tree.map(lambda value: value[sequence], decode_stats)
@@ -316,7 +326,7 @@ def ragged_paged_attention_xla(
                 tile_position = position[rows]  # [tile]
 
                 def context_page(page: jax.Array, inner: Stats) -> Stats:
-                    block = _pages(kv_pages, kv_scales,
+                    block = _pages(kv_pages, kv_scales, layer,
                                    page_indices[chosen, page])  # [Z, 2K, H]
                     page_scores = _soft_capped(jnp.einsum(
                         "tkgh,zkh->tkgz", tile_queries, block[:, 0::2]), soft_cap)  # [tile,K,G,Z]

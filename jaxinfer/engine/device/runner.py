@@ -58,6 +58,7 @@ from jaxinfer.engine.host.scheduler import ScheduledRequest
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.spec.verify import Verification, sampling_probabilities, verify
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
+from jaxinfer.models.scan import stack_layers, uniform_block_graphdef
 from jaxinfer.multihost import StepChannel
 from jaxinfer.sharding import activate, active_axis, parameter_shardings
 
@@ -235,7 +236,8 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, config: RunnerConfig, *, mesh: Mesh | None = None,
                  layout: str = "tensor_parallel", channel: StepChannel | None = None,
-                 channel_tag: int = 0, abstract: bool = False) -> None:
+                 channel_tag: int = 0, abstract: bool = False, scan_layers: bool = True
+                 ) -> None:
         """Builds the page pool and the jitted steps (not yet compiled).
 
         Args:
@@ -254,13 +256,16 @@ class ModelRunner:
                 carrying their shardings, and the runner can only `lower` its steps. This is
                 how a step is compiled ahead of time for devices that are described, not
                 attached (`jaxinfer.engine.aot`).
+            scan_layers: Run the blocks as one `lax.scan` over their stacked weights when
+                they allow it (`jaxinfer.models.scan`); False unrolls them, e.g. to read one
+                layer's cost off programs of different depths.
         """
         self.config = config
         self.model_config = model.config
         self.mesh = mesh
         self.layout = layout
         self.abstract = abstract
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, self.state = self._split_model(model, scan_layers)
         if abstract:
             self.state = self._placed_abstract_state()
         self.pages, self.scales = self._allocate_pages()  # scales: None unless int8
@@ -289,15 +294,40 @@ class ModelRunner:
         # step until its results were back on the host ("device").
         self.seconds = {"prepare": 0.0, "device": 0.0}
 
-    def _allocate_pages(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
-        """The zeroed page pool (and int8 scales), created directly on their shards."""
+    def _split_model(self, model: Transformer,
+                     scan_layers: bool) -> tuple[nnx.GraphDef, nnx.State]:
+        """The graph and state the steps run: those of the model with its blocks stacked
+        (`jaxinfer.models.scan.stack_layers`: the step scans one block over the layers, so
+        its compile time does not grow with depth), or of the model as given when its
+        blocks differ or carry activation hooks (then the step unrolls them).
+
+        The stacking runs once, here, as one jitted program placing each stacked leaf on
+        the mesh with its block sharding behind a replicated layer axis. It copies the
+        blocks' weights; the model itself is left as it was.
+        """
+        if not scan_layers or uniform_block_graphdef(list(model.layers)) is None:
+            return nnx.split(model)
+        graphdef, state = nnx.split(model)
+        stacked_graphdef, abstract_state = nnx.split(nnx.eval_shape(
+            lambda state: stack_layers(nnx.merge(graphdef, state)), state))
+        if self.abstract:
+            return stacked_graphdef, abstract_state  # placed by `_placed_abstract_state`
+        shardings = None if self.mesh is None else parameter_shardings(
+            abstract_state, self.mesh, self.layout)
+        stacked_state = jax.jit(lambda state: nnx.state(stack_layers(nnx.merge(graphdef, state))),
+                                out_shardings=shardings)(state)
+        return stacked_graphdef, stacked_state
+
+    def _allocate_pages(self) -> tuple[jax.Array, jax.Array | None]:
+        """The zeroed stacked page pool `[L, P, Z, 2K, H]` (and int8 scales `[L, P, Z, 2K]`),
+        created directly on their shards."""
         config = self.config
         empty = PagedBatch(*(jnp.zeros((1,), jnp.int32) for _ in range(5)))  # [1] each
 
-        def create() -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None]:
+        def create() -> tuple[jax.Array, jax.Array | None]:
             cache = PagedKVCache.create(self.model_config, config.num_pages, config.page_size,
                                         empty, dtype=config.cache_dtype)
-            return cache.layers, cache.scales
+            return cache.pages, cache.scales  # [L, P, Z, 2K, H], [L, P, Z, 2K]
 
         if self.mesh is None and not self.abstract:
             return create()
@@ -306,10 +336,9 @@ class ModelRunner:
             return shapes
         with activate(self.mesh, self.layout):
             axis = active_axis("act_kv_heads")
-        pool = NamedSharding(self.mesh, PartitionSpec(None, None, axis, None))
-        scale = NamedSharding(self.mesh, PartitionSpec(None, None, axis))
-        shardings = (tuple(pool for _ in shapes[0]),
-                     None if shapes[1] is None else tuple(scale for _ in shapes[1]))
+        pool = NamedSharding(self.mesh, PartitionSpec(None, None, None, axis, None))
+        scale = NamedSharding(self.mesh, PartitionSpec(None, None, None, axis))
+        shardings = (pool, None if shapes[1] is None else scale)
         if self.abstract:
             return jax.tree.map(
                 lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
@@ -330,11 +359,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device step
 
-    def _device_step(self, state: nnx.State, pages: tuple[jax.Array, ...],
-                     scales: tuple[jax.Array, ...] | None, inputs: StepInputs, *,
-                     with_prompt_logprobs: bool
-                     ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None,
-                                StepOutputs]:
+    def _device_step(self, state: nnx.State, pages: jax.Array, scales: jax.Array | None,
+                     inputs: StepInputs, *, with_prompt_logprobs: bool
+                     ) -> tuple[jax.Array, jax.Array | None, StepOutputs]:
         model = nnx.merge(self.graphdef, state)
         last_token_index, sampling = inputs.last_token_index, inputs.sampling  # [Q]
         hidden, cache = model.hidden_states(
@@ -385,7 +412,7 @@ class ModelRunner:
             probabilities=probabilities, **prompt,
             spec_tokens=None if verification is None else verification.token_ids,  # [Q, R + 1]
             num_accepted=None if verification is None else verification.num_accepted)  # [Q]
-        return cache.layers, cache.scales, outputs
+        return cache.pages, cache.scales, outputs
 
     def _verify(self, model: Transformer, hidden: jax.Array, last_token_index: jax.Array,
                 sampling: SamplingArrays, keys: jax.Array, draft_token_ids: jax.Array,

@@ -293,13 +293,11 @@ class DraftModelProposer:
             np.asarray([len(work)], np.int32), sampling, seeds, draw_index)  # num_seqs: [1]
         return jax.device_get(drawn)  # [Q, R - 1], [Q, R - 1, V]
 
-    def _decode_loop(self, state: nnx.State, pages: tuple[jax.Array, ...],
-                     scales: tuple[jax.Array, ...] | None, first_tokens: jax.Array,
-                     positions: jax.Array, counts: jax.Array,
+    def _decode_loop(self, state: nnx.State, pages: jax.Array, scales: jax.Array | None,
+                     first_tokens: jax.Array, positions: jax.Array, counts: jax.Array,
                      page_indices: jax.Array, num_seqs: jax.Array, sampling: SamplingArrays,
                      seeds: jax.Array, draw_index: jax.Array
-                     ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...] | None,
-                                tuple[jax.Array, jax.Array]]:
+                     ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array]]:
         """R - 1 one-token drafter steps on device: feed x_j at its position, draw x_{j+1}.
 
         Rows past `counts` (or past `num_seqs`) keep computing but write no page slot, so
@@ -329,7 +327,7 @@ class DraftModelProposer:
             hidden, cache = model.hidden_states(token[None], position[None],
                                                 PagedKVCache(pages, batch,
                                                              scales))  # [1, Q, D]
-            pages, scales = cache.layers, cache.scales
+            pages, scales = cache.pages, cache.scales  # [L, P, Z, 2K, H], [L, P, Z, 2K]
             logits = model.logits(hidden)[0]  # [Q, V]
             keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed),
                                                                    index))(

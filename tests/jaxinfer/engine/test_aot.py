@@ -50,17 +50,21 @@ def test_lower_takes_only_the_runners_buckets():
 
 
 def test_collectives_per_tensor_parallel_layer_on_cpu():
-    counts = []
-    for layers in (1, 2):
+    mesh = make_mesh({"model": 2}, devices=jax.devices()[:2])
+
+    def collectives(layers: int, scan_layers: bool) -> dict[str, int]:
         config = get_preset("tiny").replace(num_layers=layers)
-        mesh = make_mesh({"model": 2}, devices=jax.devices()[:2])
         runner = ModelRunner(aot.abstract_serving_model(config), RunnerConfig(**SIZES),
-                             mesh=mesh, abstract=True)
-        counts.append(aot.count_collectives(runner.lower(STEP, 16).compile().as_text()))
-    per_layer = {op: counts[1][op] - counts[0][op] for op in aot.COLLECTIVES}
+                             mesh=mesh, abstract=True, scan_layers=scan_layers)
+        return aot.count_collectives(runner.lower(STEP, 16).compile().as_text())
+
+    one, two = collectives(1, False), collectives(2, False)
+    per_layer = {op: two[op] - one[op] for op in aot.COLLECTIVES}
     # Attention's output projection and the MLP's down projection each end in one.
     assert per_layer == {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0,
                          "all-to-all": 0, "collective-permute": 0}
+    # Scanned, the program holds the block once at any depth: one layer's collectives.
+    assert collectives(3, True) == one
 
 
 def test_count_collectives_reads_sync_and_async_ops():

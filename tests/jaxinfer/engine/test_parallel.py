@@ -74,7 +74,7 @@ def wide_reference(wide_model):
 
 
 def _pool_spec(engine: Engine) -> PartitionSpec:
-    return engine.runner.pages[0].sharding.spec
+    return engine.runner.pages.sharding.spec
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [2, 4, 8])
@@ -83,16 +83,17 @@ def test_tensor_parallel_equals_one_device(wide_model, wide_reference, tensor_pa
     engine = build_engine(wide_model, EngineConfig.from_options(
         **_engine_options(tensor_parallel_size=tensor_parallel_size)))
     assert isinstance(engine, Engine)
-    # Weights: heads and MLP width split over 'model'; the pool split on its KV-head axis.
+    # Weights: heads and MLP width split over 'model' (the runner's blocks are stacked behind
+    # a replicated layer axis); the pool split on its KV-head axis.
     specs = describe(engine.runner.state)
-    assert specs["layers.0.attention.q_proj"] == PartitionSpec(None, "model", None)
-    assert specs["layers.0.attention.k_proj"] == PartitionSpec(None, "model", None)
-    assert specs["layers.0.mlp.down_proj"] == PartitionSpec("model", None)
-    assert _pool_spec(engine) == PartitionSpec(None, None, "model", None)
-    pages = engine.runner.pages[0]  # [P, page_size, 2K, H]
+    assert specs["stacked_layers.attention.q_proj"] == PartitionSpec(None, None, "model", None)
+    assert specs["stacked_layers.attention.k_proj"] == PartitionSpec(None, None, "model", None)
+    assert specs["stacked_layers.mlp.down_proj"] == PartitionSpec(None, "model", None)
+    assert _pool_spec(engine) == PartitionSpec(None, None, None, "model", None)
+    pages = engine.runner.pages  # [L, P, Z, 2K, H]
     shard_shapes = {shard.data.shape for shard in pages.addressable_shards}
-    assert shard_shapes == {(pages.shape[0], pages.shape[1], 2 * WIDE.num_kv_heads
-                             // tensor_parallel_size, WIDE.head_dim)}
+    assert shard_shapes == {(WIDE.num_layers, pages.shape[1], pages.shape[2],
+                             2 * WIDE.num_kv_heads // tensor_parallel_size, WIDE.head_dim)}
     assert len(pages.sharding.device_set) == tensor_parallel_size
     assert _run(engine, prompts, arrivals) == expected
     assert engine.num_free_pages == engine.config.num_pages - 1
@@ -105,11 +106,12 @@ def test_data_parallel_of_tensor_parallel_replicas(wide_model, wide_reference):
     assert isinstance(engine, DataParallelEngine)
     first, second = engine.replicas
     # Each replica on its own four devices, its pool split over them.
-    devices = [set(replica.runner.pages[0].sharding.device_set) for replica in engine.replicas]
+    devices = [set(replica.runner.pages.sharding.device_set) for replica in engine.replicas]
     assert len(devices[0]) == len(devices[1]) == 4 and not devices[0] & devices[1]
-    weights = first.runner.state["layers"][0]["attention"]["q_proj"].get_value()
+    weights = first.runner.state["stacked_layers"]["attention"]["q_proj"].get_value()
     assert set(weights.sharding.device_set) == devices[0]
-    assert _pool_spec(first) == _pool_spec(second) == PartitionSpec(None, None, "model", None)
+    assert _pool_spec(first) == _pool_spec(second) == PartitionSpec(None, None, None, "model",
+                                                                    None)
     assert _run(engine, prompts, arrivals) == expected
     # Both replicas took work, and neither leaked a page.
     assert first.num_steps > 0 and second.num_steps > 0
@@ -127,11 +129,12 @@ def test_expert_parallel_mixtral_equals_one_device():
     engine = build_engine(model, EngineConfig.from_options(
             **_engine_options(expert_parallel_size=4)))
     specs = describe(engine.runner.state)
-    # Experts over 'expert' (the replica's 'model' axis has size 1 here).
-    assert specs["layers.0.mlp.gate_proj"] == PartitionSpec("expert", None, "model")
-    assert specs["layers.0.mlp.down_proj"] == PartitionSpec("expert", "model", None)
-    gate = engine.runner.state["layers"][0]["mlp"]["gate_proj"].get_value()  # [E, D, F]
-    assert {shard.data.shape[0] for shard in gate.addressable_shards} == {1}  # 1 expert each
+    # Experts over 'expert' (the replica's 'model' axis has size 1 here), behind the runner's
+    # replicated layer axis.
+    assert specs["stacked_layers.mlp.gate_proj"] == PartitionSpec(None, "expert", None, "model")
+    assert specs["stacked_layers.mlp.down_proj"] == PartitionSpec(None, "expert", "model", None)
+    gate = engine.runner.state["stacked_layers"]["mlp"]["gate_proj"].get_value()  # [L, E, D, F]
+    assert {shard.data.shape[1] for shard in gate.addressable_shards} == {1}  # 1 expert each
     assert len(gate.sharding.device_set) == 4
     assert _run(engine, prompts, arrivals) == expected
 

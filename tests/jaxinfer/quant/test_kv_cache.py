@@ -35,8 +35,9 @@ def test_bytes_per_token_and_the_int8_pool():
     assert kv_bytes_per_token(config, "int8") == 2 * 2 * 2 * 16 + 4 * 2 * 2 * 2
     empty = PagedBatch(*(jnp.zeros((1,), jnp.int32) for _ in range(5)))
     pool = PagedKVCache.create(config, 5, 16, empty, dtype="int8")
-    assert pool.layers[0].dtype == jnp.int8 and pool.layers[0].shape == (5, 16, 4, 16)
-    assert pool.scales[0].dtype == jnp.float32 and pool.scales[0].shape == (5, 16, 4)
+    # [L, P, Z, 2K, H] pages, [L, P, Z, 2K] scales
+    assert pool.pages.dtype == jnp.int8 and pool.pages.shape == (2, 5, 16, 4, 16)
+    assert pool.scales.dtype == jnp.float32 and pool.scales.shape == (2, 5, 16, 4)
     assert PagedKVCache.create(config, 5, 16, empty).scales is None
 
 
