@@ -6,7 +6,8 @@ Implementations (chosen by `implementation=`, see `pallas_kernels.dispatch`):
 - "pallas" / "interpret": the Pallas TPU kernel (`kernel.py`; pages copied HBM -> VMEM
   asynchronously, double-buffered, online softmax in f32), compiled on TPU or interpreted;
 - "xla": streams over pages with merged softmax statistics, no per-token gathers (`xla.py`),
-  the default off-TPU;
+  the default off-TPU; on XLA:CPU its decode walk is a C++ kernel (`cpu.py`, built on first
+  use);
 - "reference": readable, gathers every token's whole page table (`reference.py`), the oracle.
 
 "auto" (the default) is the kernel on TPU and "xla" elsewhere, unless forced.

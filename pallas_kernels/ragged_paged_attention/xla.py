@@ -13,7 +13,7 @@ attention merges blocks:
    Decode tokens see only themselves here.
 2. **Earlier keys** (the context before the step, which every token of a sequence sees):
    - for decode sequences (one new token), one query row per sequence walks its pages one at a
-     time with an online softmax; sequences are sorted by length and walked in groups of
+     time with an online softmax (on XLA:CPU, the C++ kernel of `cpu.py` does this walk); sequences are sorted by length and walked in groups of
      `DECODE_SEQUENCE_GROUP`, each up to its own longest context (a dynamic trip count, so
      short sequences cost about what they are);
    - for the few sequences that bring several tokens *and* have a context (later chunks of a
@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.reference import as_stacked, dequantize_pages
 
 # Per query row (a token, or a decode sequence): running max [rows, K, G], denominator
@@ -173,6 +174,11 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
     max_seqs = page_indices.shape[0]
     page_size = kv_pages.shape[2]
     _, num_kv_heads, group, head_dim = decode_queries.shape
+    if cpu.supports(kv_pages, group):
+        # XLA:CPU: the C++ walk reads each key once, at ~4x this loop's speed.
+        return cpu.decode_context_stats(kv_pages, kv_scales, layer, page_indices,
+                                        decode_queries, decode_context, decode_position,
+                                        window, soft_cap)
     group_size = min(DECODE_SEQUENCE_GROUP, max_seqs)
     num_groups = -(-max_seqs // group_size)
     order = jnp.argsort(-decode_context, stable=True).astype(jnp.int32)  # [Q] longest first

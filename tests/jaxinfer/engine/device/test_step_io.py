@@ -63,9 +63,10 @@ def test_prepare_pads_to_the_buckets(model):
                              _prefill("b", [7, 8], [3])])
     assert isinstance(inputs, StepInputs)
     assert inputs.token_ids.shape == (8,) and inputs.positions.shape == (8,)  # T = 8
-    assert inputs.last_token_index.tolist() == [4, 6]  # S = 2
-    assert inputs.draft_token_ids.shape == (2, 2) and inputs.draft_probs is None
-    assert inputs.batch.page_indices.shape == (2, runner.config.pages_per_sequence)
+    # Q = min(T, max_num_seqs) = 4 rows; the two padding rows point at token 0.
+    assert inputs.last_token_index.tolist() == [4, 6, 0, 0]
+    assert inputs.draft_token_ids.shape == (4, 2) and inputs.draft_probs is None
+    assert inputs.batch.page_indices.shape == (4, runner.config.pages_per_sequence)
     with pytest.raises(ValueError, match="at least one"):
         runner.prepare([])
 
@@ -75,7 +76,8 @@ def test_outputs_leave_absent_fields_none(model):
     scheduled = [_prefill("a", [1, 2, 3], [1])]
     outputs = runner.run(runner.step_kind(scheduled), runner.prepare(scheduled))
     assert isinstance(outputs, StepOutputs)
-    assert outputs.tokens.shape == (1,) and outputs.top_ids.shape == (1, runner.config.max_logprobs)
+    # T = 8, so Q = min(8, max_num_seqs = 4) rows.
+    assert outputs.tokens.shape == (4,) and outputs.top_ids.shape == (4, runner.config.max_logprobs)
     assert outputs.probabilities is None and outputs.prompt_logprobs is None
     assert outputs.spec_tokens is None and outputs.num_accepted is None
     prompt = [_prefill("a", [1, 2, 3], [1], SamplingParams(prompt_logprobs=1))]

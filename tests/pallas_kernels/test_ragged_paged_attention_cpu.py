@@ -1,0 +1,78 @@
+"""The C++ decode kernel of the XLA:CPU path against the readable reference and the XLA loop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import (
+    cpu,
+    quantize_kv_rows,
+    ragged_paged_attention,
+)
+from tests.pallas_kernels.paged_cases import paged_case
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernel")
+
+
+def test_the_kernel_builds_here_and_the_xla_path_calls_it():
+    assert cpu.available()
+    rng = np.random.default_rng(0)
+    inputs, _ = paged_case(rng, [1, 1], [5, 9], page_size=4, pages_per_seq=4)
+    text = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.3, implementation="xla")
+                   ).lower(*inputs).as_text()
+    assert "jaxinfer_DecodeAttentionF32" in text
+    with cpu.disabled():
+        text = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.3,
+                                                         implementation="xla")
+                       ).lower(*inputs).as_text()
+    assert "jaxinfer_DecodeAttention" not in text
+
+
+@pytest.mark.parametrize("pool", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (6, None), (None, 5.0)])
+@pytest.mark.parametrize(("group", "page_size"), [(1, 4), (4, 8), (8, 16)])
+def test_kernel_equals_the_reference_and_the_xla_loop(pool, window, soft_cap, group,
+                                                      page_size):
+    rng = np.random.default_rng(hash((pool, window, soft_cap, group)) % 2**32)
+    # Decode rows (q_len 1) with and without context, a prefill chunk and a padded row.
+    query_lens = [1, 1, 6, 1, 1]
+    context_lens = [int(n) for n in rng.integers(1, 40, size=5)]
+    context_lens[3] = 0
+    longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
+    inputs, _ = paged_case(rng, query_lens, context_lens, page_size=page_size,
+                           pages_per_seq=-(-longest // page_size) + 1, group=group,
+                           head_dim=16, padded_tokens=3, padded_seqs=1)
+    queries, kv_pages, *rest = inputs
+    kv_scales = None
+    if pool == "int8":
+        kv_pages, kv_scales = quantize_kv_rows(kv_pages)
+    elif pool == "bfloat16":
+        kv_pages = kv_pages.astype(jnp.bfloat16)
+
+    def attend(implementation: str) -> np.ndarray:
+        return np.asarray(ragged_paged_attention(
+            queries, kv_pages, *rest, sm_scale=0.25, sliding_window=window,
+            soft_cap=soft_cap, kv_scales=kv_scales, implementation=implementation))
+
+    kernel = attend("xla")
+    with cpu.disabled():
+        loop = attend("xla")
+    reference = attend("reference")
+    np.testing.assert_allclose(kernel, reference, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(kernel, loop, atol=2e-5, rtol=2e-5)
+
+
+def test_a_layer_of_a_stacked_pool():
+    rng = np.random.default_rng(7)
+    inputs, _ = paged_case(rng, [1, 1, 1], [30, 3, 17], page_size=4, pages_per_seq=9)
+    queries, kv_pages, *rest = inputs
+    other = jnp.asarray(rng.normal(size=kv_pages.shape), jnp.float32)
+    stacked = jnp.stack([other, kv_pages, other])  # [L, P, Z, 2K, H]
+    got = ragged_paged_attention(queries, stacked, *rest, sm_scale=0.3, layer=1,
+                                 implementation="xla")
+    expected = ragged_paged_attention(queries, kv_pages, *rest, sm_scale=0.3,
+                                      implementation="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
