@@ -186,13 +186,12 @@ class Transformer(nnx.Module):
             if intermediates is not None or isinstance(cache, KVCache):
                 raise ValueError("a model with stacked layers runs with a paged cache or none,"
                                  " without intermediates")
-            paged = cache if isinstance(cache, PagedKVCache) else None
-            x, pages, scales = scan_blocks(
-                self.stacked_layers, x, positions, None if paged is None else paged.pages,
-                None if paged is None else paged.scales,
-                None if paged is None else paged.batch)  # [B, T, D]
-            if paged is not None:
-                cache = paged._replace(pages=pages, scales=scales)
+            pages, scales, batch = (None, None, None) if cache is None else (
+                cache.pages, cache.scales, cache.batch)  # [L, P, Z, 2K, H], [L, P, Z, 2K]
+            x, pages, scales = scan_blocks(self.stacked_layers, x, positions, pages, scales,
+                                           batch)  # [B, T, D]
+            if cache is not None:
+                cache = cache._replace(pages=pages, scales=scales)
         for index, block in enumerate(self.layers):
             x, layer_cache = block(x, positions, _layer_cache(cache, index))  # [B, T, D]
             cache = _with_layer(cache, index, layer_cache)
