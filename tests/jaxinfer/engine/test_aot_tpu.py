@@ -3,8 +3,9 @@
 parallelism should have and nothing more, and the TPU compiler refuses a KV pool the chip
 cannot hold.
 
-Programs of 1 and 2 layers: the layers are identical, so the difference is one layer's
-collectives; the full-depth compiles are in `benchmarks/tpu_aot.py`.
+Programs of 1 and 2 layers, unrolled: the layers are identical, so the difference is one
+layer's collectives (the engine's step scans over its layers and holds one layer's, which is
+checked too); the full-depth compiles are in `benchmarks/tpu_aot.py`.
 
 Skipped where libtpu is not installed (the main environment)."""
 
@@ -29,11 +30,16 @@ NONE = dict.fromkeys(aot.COLLECTIVES, 0)
 
 def _per_layer(case: aot.ServingCase, num_tokens: int = 16, num_seqs: int = 16
                ) -> tuple[dict[str, int], dict[str, int]]:
-    """(collectives per layer, collectives once per step) of one bucket's step."""
-    counts = [aot.compile_step(aot.abstract_runner(case.replace(num_layers=layers)),
+    """(collectives per layer, collectives once per step) of one bucket's step, from the
+    programs unrolled at 1 and 2 layers; the engine's scanned step holds one layer's."""
+    counts = [aot.compile_step(aot.abstract_runner(case.replace(num_layers=layers),
+                                                   scan_layers=False),
                                num_tokens, num_seqs).collectives for layers in (1, 2)]
     per_layer = {op: counts[1][op] - counts[0][op] for op in aot.COLLECTIVES}
     once = {op: counts[0][op] - per_layer[op] for op in aot.COLLECTIVES}
+    scanned = aot.compile_step(aot.abstract_runner(case.replace(num_layers=2)), num_tokens,
+                               num_seqs).collectives
+    assert scanned == counts[0]
     return per_layer, once
 
 
