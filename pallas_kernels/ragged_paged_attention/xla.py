@@ -13,9 +13,10 @@ attention merges blocks:
    Decode tokens see only themselves here.
 2. **Earlier keys** (the context before the step, which every token of a sequence sees):
    - for decode sequences (one new token), one query row per sequence walks its pages one at a
-     time with an online softmax (on XLA:CPU, the C++ kernel of `cpu.py` does this walk); sequences are sorted by length and walked in groups of
-     `DECODE_SEQUENCE_GROUP`, each up to its own longest context (a dynamic trip count, so
-     short sequences cost about what they are);
+     time with an online softmax (on XLA:CPU, the C++ kernel of `cpu.py` does this walk);
+     sequences are sorted by length and walked in groups of `DECODE_SEQUENCE_GROUP`, each up to
+     its own longest context (a dynamic trip count, so short sequences cost about what they
+     are);
    - for the few sequences that bring several tokens *and* have a context (later chunks of a
      chunked prefill, prefix-cache hits, recomputation after preemption), a loop over just
      those sequences walks their pages against the packed tokens.
