@@ -404,18 +404,16 @@ def option_owners() -> dict[str, str]:
 # ---------------------------------------------------------------------- command-line flags
 
 # What a server runs with where it differs from the library's defaults: more sequences and a
-# larger step budget for many clients, and coarser buckets so that warm-up compiles fewer
-# programs (`jaxinfer serve`).
-SERVING_DEFAULTS: dict[str, Any] = {"max_num_seqs": 32, "max_num_batched_tokens": 512,
-                                    "min_token_bucket": 16, "bucket_growth": 4}
+# larger step budget for many clients (`jaxinfer serve`). One program per token bucket (8 to
+# 512: 7 programs) compiles in seconds, so the buckets stay fine-grained.
+SERVING_DEFAULTS: dict[str, Any] = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
 
 # What `jaxinfer bench` runs with where it differs from the library's defaults. The benchmark
 # measures a throughput-oriented batch, not a server's: every request is submitted at once, so
-# a large step budget and many sequences keep the device busy, the smallest token bucket is
-# large because steps are full, and prefix caching is off so that a repeated prompt costs the
-# same on the engine and on the HF peer it is compared with.
+# a large step budget and many sequences keep the device busy, and prefix caching is off so
+# that a repeated prompt costs the same on the engine and on the peers it is compared with.
 BENCH_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1024, "max_num_seqs": 64,
-                                  "min_token_bucket": 64, "enable_prefix_caching": False}
+                                  "enable_prefix_caching": False}
 
 
 def _flag_type(hint: Any) -> type:

@@ -29,7 +29,7 @@ CHANGED = dict(page_size=8, num_pages=100, enable_prefix_caching=False, cache_dt
                kv_cache_dtype="int8", max_num_batched_tokens=64, max_num_seqs=4,
                max_model_len=256, tensor_parallel_size=2, data_parallel_size=3,
                expert_parallel_size=1, min_token_bucket=4, bucket_growth=4,
-               enable_prompt_logprobs=False,
+               enable_prompt_logprobs=False, compilation_cache="off",
                speculative={"method": "ngram", "num_tokens": 3, "max_ngram": 4,
                             "min_ngram": 2, "model": None})
 
@@ -206,6 +206,7 @@ def test_every_flag_sets_its_option():
             "--kv-cache-dtype", "int8", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
             "--max-model-len", "256", "-tp", "2", "--data-parallel-size", "3", "-ep", "1",
             "--min-token-bucket", "4", "--bucket-growth", "4", "--no-enable-prompt-logprobs",
+            "--compilation-cache", "off",
             "--speculative", '{"method": "ngram", "num_tokens": 3, "max_ngram": 4, '
                              '"min_ngram": 2}']
     assert _config(argv).options() == CHANGED
