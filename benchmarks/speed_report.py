@@ -1,0 +1,195 @@
+"""The speed report: jaxinfer against HF transformers and vLLM for CPU, side by side, in one run.
+
+    python benchmarks/speed_report.py --out benchmarks/results/engine.md [--skip-vllm]
+
+One run, on one machine, in sequence (never two measurements at once):
+1. the machine's peaks (f32 and bf16 matmul, read bandwidth), measured here;
+2. throughput of the bench-30m shape (fp32, 64 requests, prompts 64-256, 128 greedy tokens,
+   EOS ignored): the engine with the documented serving settings (`BENCH_DEFAULTS`), HF
+   transformers `generate` in static batches of 16, and vLLM for CPU (`make vllm-env`), with
+   token agreement, and the engine's prefill and decode@1/16/64 steps against their roofline;
+3. `LLM(model)` with no options, as a user runs it, in a fresh process with an empty
+   compilation cache: construction (warm-up included) and the same 64 requests;
+4. warm-up of the 64-sequence / 1024-token configuration, cold (empty compilation cache)
+   and warm (the same cache again), for bench-30m and a 30-layer model of SmolLM2-135M's shape,
+   each in a fresh process;
+5. compile time of the largest step against depth (8, 16, 32 layers);
+6. batch-1 decode latency against HF.
+The markdown section is appended to `--out`; the numbers also go to `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# SmolLM2-135M's shape (30 layers), random weights.
+SMOLLM2_SHAPE = dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                     intermediate_size=1536, vocab_size=49152)
+
+_WARM_UP = """
+import json, sys, time
+started = time.perf_counter()
+from jaxinfer.bench.throughput import build_engine, load_bench_model
+model = load_bench_model('random:bench-30m', **json.loads(sys.argv[1]))
+engine = build_engine(model, None, 384)
+built = time.perf_counter()
+seconds = engine.warm_up()
+print(json.dumps({'warm_up_s': seconds, 'programs': engine.compilations,
+                  'start_to_ready_s': time.perf_counter() - started}))
+"""
+
+_USER = """
+import json, time
+from jaxinfer.bench.workload import make_requests
+started = time.perf_counter()
+from jaxinfer import LLM, SamplingParams
+llm = LLM('random:bench-30m')
+ready = time.perf_counter()
+requests = make_requests(64, vocab_size=llm.engine.model_config.vocab_size,
+                         input_len=(64, 256), output_len=128, seed=0)
+compiled = llm.engine.compilations
+begin = time.perf_counter()
+outputs = llm.generate([{'prompt_token_ids': list(r.prompt_token_ids)} for r in requests],
+                       SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+elapsed = time.perf_counter() - begin
+tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+print(json.dumps({'startup_s': ready - started, 'elapsed_s': elapsed,
+                  'output_tokens_per_s': tokens / elapsed,
+                  'compiles_during_generate': llm.engine.compilations - compiled,
+                  'options': {k: v for k, v in llm.engine.config.options().items()
+                              if k in ('max_num_seqs', 'max_num_batched_tokens', 'num_pages',
+                                       'max_model_len')}}))
+"""
+
+_DEPTH = """
+import dataclasses, json, sys, time
+from jaxinfer.bench.throughput import build_engine, load_bench_model
+from jaxinfer.engine.device.step_io import STEP
+results = {}
+for layers in (8, 16, 32):
+    engine = build_engine(load_bench_model('random:bench-30m', num_layers=layers), None, 384)
+    started = time.perf_counter()
+    engine.runner.lower(STEP, 1024).compile()
+    results[layers] = time.perf_counter() - started
+print(json.dumps(results))
+"""
+
+
+def _python(code: str, *args: str, cache: str | None) -> dict:
+    environment = {**os.environ, "JAXINFER_COMPILATION_CACHE": cache or "off",
+                   "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=environment, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/engine.md")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--skip-vllm", action="store_true")
+    args = parser.parse_args()
+
+    from jaxinfer.bench import latency, roofline, throughput
+    from jaxinfer.bench.workload import make_requests
+
+    started = time.perf_counter()
+    report: dict = {"machine": throughput.machine_info()}
+    peaks = {dtype: roofline.measure_peaks(dtype) for dtype in ("float32", "bfloat16")}
+    report["peaks"] = {dtype: vars(peak) for dtype, peak in peaks.items()}
+
+    # 2. Throughput against both peers, with the roofline profile.
+    model = throughput.load_bench_model("random:bench-30m")
+    requests = make_requests(64, vocab_size=model.config.vocab_size, input_len=(64, 256),
+                             output_len=128, seed=0)
+    result = throughput.run_throughput(model, requests, None, compare_hf=True,
+                                       compare_vllm=not args.skip_vllm)
+    table = throughput.throughput_table(result)
+    result.pop("token_ids")
+    report["throughput"] = {key: value for key, value in result.items()
+                            if key != "roofline_table"}
+
+    # 3. LLM(model), as a user runs it.
+    with tempfile.TemporaryDirectory() as cache:
+        user = _python(_USER, cache=cache)
+    report["llm_default"] = user
+
+    # 4. Warm-up, cold and cached, in fresh processes.
+    warm_up = {}
+    for name, shape in (("bench-30m", {}), ("30 layers (SmolLM2-135M shape)", SMOLLM2_SHAPE)):
+        with tempfile.TemporaryDirectory() as cache:
+            cold = _python(_WARM_UP, json.dumps(shape), cache=cache)
+            cached = _python(_WARM_UP, json.dumps(shape), cache=cache)
+        warm_up[name] = {"cold": cold, "cached": cached}
+    report["warm_up"] = warm_up
+
+    # 5. Compile time of the largest step against depth.
+    report["compile_by_depth"] = _python(_DEPTH, cache=None)
+
+    # 6. Batch-1 latency against HF.
+    lat = latency.run_latency(model, batch_sizes=(1,), input_len=32, output_len=128,
+                              iterations=3, compare_hf=True)
+    report["latency"] = lat["rows"][0]
+    report["seconds"] = time.perf_counter() - started
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as out:
+        out.write(markdown(report, table) + "\n")
+    print(markdown(report, table))
+
+
+def markdown(report: dict, table: str) -> str:
+    """The report's markdown section."""
+    machine, peaks = report["machine"], report["peaks"]
+    thr = report["throughput"]
+    hf = thr["hf"]["output_tokens_per_s"]
+    user = report["llm_default"]
+    lines = [f"## Speed report ({machine['date']})", "",
+             "```\npython benchmarks/speed_report.py --out benchmarks/results/engine.md\n```", "",
+             f"- machine: {machine['platform']}, {machine['processor']}, {machine['cpu_count']} "
+             f"CPUs, jax {machine['jax']}, torch {machine['torch']}, transformers "
+             f"{machine['transformers']}, git {machine['git']}",
+             f"- measured peaks: f32 matmul {peaks['float32']['matmul_flops'] / 1e9:.0f} "
+             f"GFLOP/s, bf16 matmul {peaks['bfloat16']['matmul_flops'] / 1e9:.0f} GFLOP/s "
+             f"(XLA, 2048^3), read bandwidth {peaks['float32']['read_bytes'] / 1e9:.1f} GB/s",
+             "", "### Throughput: bench-30m shape, fp32, 64 requests (prompts 64-256, 128 "
+             "greedy tokens)", "", table, "",
+             "### `LLM(model)` with no options, as a user runs it (fresh process, empty "
+             "compilation cache)", "",
+             f"- construction, warm-up included: {user['startup_s']:.1f} s; chosen sizes: "
+             f"{user['options']}",
+             f"- the same 64 requests: {user['output_tokens_per_s']:.1f} output tok/s = "
+             f"**{user['output_tokens_per_s'] / hf:.2f}x HF**; programs compiled during "
+             f"generate: {user['compiles_during_generate']}", "",
+             "### Warm-up of the 64-sequence / 1024-token configuration (fresh processes)", "",
+             "| model | cold warm-up s | cached warm-up s | programs |", "|---|---:|---:|---:|"]
+    for name, runs in report["warm_up"].items():
+        lines.append(f"| {name} | {runs['cold']['warm_up_s']:.1f} | "
+                     f"{runs['cached']['warm_up_s']:.1f} | {runs['cold']['programs']} |")
+    depth = report["compile_by_depth"]
+    lines += ["", "Compile time of the 1024-token step (scanned layers): " + ", ".join(
+        f"{layers} layers {seconds:.1f} s" for layers, seconds in depth.items()), ""]
+    row = report["latency"]
+    lines += ["### Batch-1 decode latency (prompt 32, 128 tokens, median of 3)", "",
+              f"- jaxinfer {row['engine']['decode_ms_per_token']:.2f} ms/token, HF "
+              f"{row['hf']['decode_ms_per_token']:.2f} ms/token: "
+              f"**{row['engine_over_hf']:.2f}x HF**", "",
+              f"(whole report: {report['seconds'] / 60:.1f} min)"]
+    return textwrap.dedent("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
