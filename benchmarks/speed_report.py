@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# `python benchmarks/speed_report.py` puts benchmarks/ first on the path, where our kernels.py
+# would shadow the `kernels` package transformers imports.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT / "benchmarks"]
 # SmolLM2-135M's shape (30 layers), random weights.
 SMOLLM2_SHAPE = dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                      intermediate_size=1536, vocab_size=49152)
