@@ -680,18 +680,20 @@ class ModelRunner:
     def warm_up(self, kinds: Sequence[str] = (STEP,)) -> float:
         """Compiles the steps `kinds` for every token bucket; returns seconds.
 
-        Tracing and lowering hold the GIL, so they run one after another; XLA's compiles
-        release it and run concurrently, one thread per core. A multi-host leader then runs
-        each program once on padding (which writes nothing and reads only the null page), so
-        that the followers, which receive it, compile theirs too.
+        Tracing and lowering hold the GIL, so they run one after another on this thread;
+        each program's compile starts as soon as it is lowered, on a pool of one thread per
+        core (XLA releases the GIL), so compiles overlap each other and the next lowering.
+        A multi-host leader then runs each program once on padding (which writes nothing and
+        reads only the null page), so that the followers, which receive it, compile theirs.
         """
         started = time.perf_counter()
         wanted = [(kind, num_tokens) for kind in kinds for num_tokens in self.config.token_buckets
                   if (kind, num_tokens) not in self._programs]
-        lowered = {key: self.lower(*key) for key in wanted}
-        workers = max(1, min(len(lowered), os.cpu_count() or 1))
+        workers = max(1, min(len(wanted), os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compiled = {key: pool.submit(program.compile) for key, program in lowered.items()}
+            # Largest first: the longest compiles start earliest.
+            compiled = {key: pool.submit(self.lower(*key).compile)
+                        for key in sorted(wanted, key=lambda key: -key[1])}
             for key, future in compiled.items():
                 self._programs[key] = future.result()
         if self._channel is not None:
