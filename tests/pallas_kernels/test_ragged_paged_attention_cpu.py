@@ -31,9 +31,14 @@ def test_the_kernel_builds_here_and_the_xla_path_calls_it():
     assert "jaxinfer_DecodeAttention" not in text
 
 
-@pytest.mark.parametrize("pool", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (6, None), (None, 5.0)])
-@pytest.mark.parametrize(("group", "page_size"), [(1, 4), (4, 8), (8, 16)])
+# A covering set: every pool dtype with each masking variant, and every GQA group and page
+# size once (the kernel's loops do not depend on how these combine).
+CASES = [(pool, window, soft_cap, 2, 4) for pool in ("float32", "bfloat16", "int8")
+         for window, soft_cap in ((None, None), (6, None), (None, 5.0))]
+CASES += [("float32", None, None, 1, 8), ("int8", 6, None, 4, 16), ("float32", None, None, 8, 16)]
+
+
+@pytest.mark.parametrize(("pool", "window", "soft_cap", "group", "page_size"), CASES)
 def test_kernel_equals_the_reference_and_the_xla_loop(pool, window, soft_cap, group,
                                                       page_size):
     rng = np.random.default_rng(hash((pool, window, soft_cap, group)) % 2**32)
