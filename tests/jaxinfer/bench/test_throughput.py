@@ -163,7 +163,7 @@ def test_bench_engine_config_sizes_the_workload_and_keeps_prompt_logprobs_off():
     assert config.max_model_len == 24  # 21 tokens, rounded up to whole pages of 8
     assert not config.compile.enable_prompt_logprobs
     assert config.scheduler.max_num_seqs == 4
-    assert config.compile.min_token_bucket == BENCH_DEFAULTS["min_token_bucket"]
+    assert config.cache.enable_prefix_caching == BENCH_DEFAULTS["enable_prefix_caching"]
     assert bench_engine_config(None, 16) == EngineConfig.from_options(
         **BENCH_DEFAULTS, max_model_len=16, enable_prompt_logprobs=False)
     with pytest.raises(ValueError, match=r"\['max_model_len'\] are set by the benchmark"):
