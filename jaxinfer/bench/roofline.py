@@ -205,7 +205,8 @@ def profile_engine(engine: Engine, *, context: int = 256, decode_steps: int = 8,
             engine.add_request(request_id, prompt(per_prompt), greedy)
         runs.append(_timed_steps(engine, 1))
         _abort_all(engine, ids)
-    wall, host, device = (statistics.median(part) for part in zip(*runs, strict=True))
+    # The run with the median wall time, whole, so that host + device = wall.
+    wall, host, device = sorted(runs)[len(runs) // 2]
     tokens = count * per_prompt
     profiles.append(StepProfile(
         "prefill", tokens, 0, wall, host, device,
