@@ -8,30 +8,23 @@ once, straight from its page, and keeps the online-softmax statistics in registe
 exactly what `xla._decode_context_stats` returns, so `xla.py` uses it in that one place and
 merges the statistics with the step's own keys as before.
 
-The source is compiled with the system's C++ compiler (`$CXX`, else `g++`) against jaxlib's XLA
-FFI headers, with `-O3 -march=native -fopenmp`, into the user's cache directory
-(`$JAXINFER_KERNEL_CACHE`, default `~/.cache/jaxinfer/kernels`), keyed by the source, the jaxlib
-version and the CPU's feature flags. Where no compiler works, `available()` is False (with one
+The source is built on first use by `pallas_kernels.cpu_build` (the system's C++ compiler,
+cached per source, jaxlib and CPU). Where no compiler works, `available()` is False (with one
 warning) and the XLA loop runs instead. `JAXINFER_CPU_KERNELS=0` turns the kernel off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import hashlib
-import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import cpu_build
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_decode.cc")
 _TARGETS = {"float32": "DecodeAttentionF32", "bfloat16": "DecodeAttentionBF16",
@@ -53,79 +46,19 @@ def disabled():
         _switch["off"] = before
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (what -march=native compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> pathlib.Path:
-    chosen = os.environ.get("JAXINFER_KERNEL_CACHE")
-    if chosen:
-        return pathlib.Path(chosen).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(base) / "jaxinfer" / "kernels"
-
-
-def _build() -> pathlib.Path:
-    """Compiles the kernel (once per source, jaxlib and CPU); returns the shared library."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-    include = jax.ffi.include_dir()
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-             f"-I{include}"]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), jax.__version__,
-                                    jax.lib.__version__ if hasattr(jax.lib, "__version__")
-                                    else "", _cpu_flags(), compiler, *flags]).encode())
-    library = _cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed, so concurrent builders never load a torn file.
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        built = pathlib.Path(scratch) / library.name
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)],
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed:\n{done.stderr[-2000:]}")
-        os.replace(built, library)
-    return library
-
-
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered (False, with one warning, if it cannot be,
     or with `JAXINFER_CPU_KERNELS=0`)."""
-    if os.environ.get("JAXINFER_CPU_KERNELS", "1").lower() in ("0", "off", "false"):
+    if not cpu_build.enabled_by_environment():
         return False
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build()))
-        for target in _TARGETS.values():
-            jax.ffi.register_ffi_target(f"jaxinfer_{target}",
-                                        jax.ffi.pycapsule(getattr(library, target)),
-                                        platform="cpu")
+        cpu_build.load(SOURCE, _TARGETS.values())
     except (RuntimeError, OSError) as error:
         warnings.warn(f"the CPU decode-attention kernel is unavailable, using the XLA loop "
                       f"instead: {error}", RuntimeWarning, stacklevel=2)
         return False
     return True
-
-
-def num_threads() -> int:
-    """Threads the kernel splits sequences over: `$JAXINFER_CPU_KERNEL_THREADS`, else the
-    cores this process may run on."""
-    chosen = os.environ.get("JAXINFER_CPU_KERNEL_THREADS")
-    if chosen:
-        return max(1, int(chosen))
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
 
 
 def supports(kv_pages: jax.Array, group: int) -> bool:
@@ -170,4 +103,4 @@ def decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
                 context.astype(jnp.int32), position.astype(jnp.int32),
                 window=np.int32(min(window, np.iinfo(np.int32).max)),
                 soft_cap=np.float32(soft_cap or 0.0), quantized=quantized,
-                num_threads=np.int32(num_threads()))
+                num_threads=np.int32(cpu_build.num_threads()))

@@ -5,7 +5,8 @@
 // XLA path merges with the step's own keys (`xla.py`): the running max m, the denominator
 // d = sum exp(s - m) and the weighted sum w = sum exp(s - m) v. Keys are read once, straight
 // from their pages (no gathered copy), with the G query heads dotted against each key while it
-// is in cache. Sequences are split over `num_threads` OpenMP threads.
+// is in cache. Sequences are split over `num_threads` tasks on XLA's intra-op pool
+// (`cpu_parallel.h`).
 //
 // Layout (see reference.py): pages [L, P, Z, 2K, H], keys at 2k and values at 2k + 1 of the
 // third axis; an int8 pool has float32 scales [L, P, Z, 2K] (value = int8 * scale).
@@ -16,6 +17,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -34,7 +36,7 @@ inline float Widen(uint16_t bits) {  // bfloat16: the high half of a float32
 }
 
 template <typename T>
-void Walk(const T* pages, const float* scales, const int32_t* page_indices,
+void Walk(ffi::ThreadPool& pool, const T* pages, const float* scales, const int32_t* page_indices,
           const float* queries, const int32_t* context, const int32_t* position,
           int64_t num_seqs, int64_t pages_per_seq, int64_t page_size, int64_t num_kv_heads,
           int64_t group, int64_t head_dim, int32_t window, float soft_cap, int32_t num_threads,
@@ -47,8 +49,7 @@ void Walk(const T* pages, const float* scales, const int32_t* page_indices,
   // One task per sequence, and each page's K heads in turn while the page is in cache: the
   // rows of a page interleave every head's keys and values, so walking (sequence, head) pairs
   // separately would pull each row from memory K times.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int64_t q = 0; q < num_seqs; ++q) {
+  jaxinfer::ParallelFor(pool, num_seqs, num_threads, [&](int64_t q) {
     const float* all_queries = queries + q * num_kv_heads * group * head_dim;  // [K, G, H]
     float* all_max = out_max + q * num_kv_heads * group;                     // [K, G]
     float* all_denominator = out_denominator + q * num_kv_heads * group;     // [K, G]
@@ -59,7 +60,7 @@ void Walk(const T* pages, const float* scales, const int32_t* page_indices,
     }
     std::fill(all_weighted, all_weighted + num_kv_heads * group * head_dim, 0.0f);
     const int64_t keys = context[q];
-    if (keys <= 0) continue;
+    if (keys <= 0) return;
     // Keys at positions > position - window are visible (window counts the query itself).
     const int64_t first = std::max<int64_t>(0, static_cast<int64_t>(position[q]) - window + 1);
     float scores[kMaxGroup * 64];  // [G, Z] one page of scores
@@ -125,11 +126,11 @@ void Walk(const T* pages, const float* scales, const int32_t* page_indices,
       }
       }
     }
-  }
+  });
 }
 
 template <ffi::DataType Kind>
-ffi::Error DecodeImpl(ffi::Buffer<Kind> pages, ffi::Buffer<ffi::F32> scales,
+ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buffer<ffi::F32> scales,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_indices,
                       ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::S32> context,
                       ffi::Buffer<ffi::S32> position, int32_t window, float soft_cap,
@@ -155,7 +156,7 @@ ffi::Error DecodeImpl(ffi::Buffer<Kind> pages, ffi::Buffer<ffi::F32> scales,
   const float* scale_base =
       quantized ? scales.typed_data() + index * num_pages * page_size * 2 * num_kv_heads
                 : nullptr;
-  Walk<Element>(base, scale_base, page_indices.typed_data(), queries.typed_data(),
+  Walk<Element>(threads, base, scale_base, page_indices.typed_data(), queries.typed_data(),
                 context.typed_data(), position.typed_data(), num_seqs,
                 page_indices.dimensions()[1], page_size, num_kv_heads, group, head_dim, window,
                 soft_cap, std::max<int32_t>(1, num_threads), out_max->typed_data(), out_denominator->typed_data(),
@@ -166,6 +167,7 @@ ffi::Error DecodeImpl(ffi::Buffer<Kind> pages, ffi::Buffer<ffi::F32> scales,
 #define DEFINE_DECODE(name, kind)                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, DecodeImpl<kind>,               \
                                 ffi::Ffi::Bind()                      \
+                                    .Ctx<ffi::ThreadPool>()           \
                                     .Arg<ffi::Buffer<kind>>()         \
                                     .Arg<ffi::Buffer<ffi::F32>>()     \
                                     .Arg<ffi::Buffer<ffi::S32>>()     \

@@ -1,0 +1,111 @@
+"""Builds the C++ XLA:CPU kernels on first use and registers them as XLA FFI targets.
+
+Each CPU kernel (`ragged_paged_attention/cpu_decode.cc`, `dense_matmul/cpu_matmul.cc`) is a
+single C++ file compiled with the system's C++ compiler (`$CXX`, else `g++`) against jaxlib's
+XLA FFI headers, with `-O3 -march=native -fopenmp-simd` (the `omp simd` hints; the kernels
+split work over XLA's own thread pool, `cpu_parallel.h`, not an OpenMP runtime), into the
+user's cache directory (`$JAXINFER_KERNEL_CACHE`, default `~/.cache/jaxinfer/kernels`), keyed
+by the source, the shared headers, the jaxlib version and the CPU's feature flags. Where no
+compiler works, `load` raises and the caller falls back to XLA. `JAXINFER_CPU_KERNELS=0` turns
+every CPU kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+
+import jax
+
+HEADERS = pathlib.Path(__file__).parent  # the kernels' shared headers: pallas_kernels/*.h
+
+
+def enabled_by_environment() -> bool:
+    """False when `JAXINFER_CPU_KERNELS` is 0 / off / false."""
+    return os.environ.get("JAXINFER_CPU_KERNELS", "1").lower() not in ("0", "off", "false")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> pathlib.Path:
+    chosen = os.environ.get("JAXINFER_KERNEL_CACHE")
+    if chosen:
+        return pathlib.Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "jaxinfer" / "kernels"
+
+
+def build(source: pathlib.Path) -> pathlib.Path:
+    """Compiles `source` (once per source, jaxlib and CPU); returns the shared library.
+
+    Raises:
+        RuntimeError: No C++ compiler, or the compiler failed (its error is included).
+    """
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+    include = jax.ffi.include_dir()
+    # The kernels include shared headers from this package (`cpu_parallel.h`).
+    flags = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17",
+             f"-I{include}", f"-I{HEADERS}"]
+    headers = [path.read_text() for path in sorted(HEADERS.glob("*.h"))]
+    key = hashlib.sha256("\n".join([source.read_text(), *headers, jax.__version__,
+                                    jax.lib.__version__ if hasattr(jax.lib, "__version__")
+                                    else "", _cpu_flags(), compiler, *flags]).encode())
+    library = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed, so concurrent builders never load a torn file.
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = pathlib.Path(scratch) / library.name
+        done = subprocess.run([compiler, *flags, str(source), "-o", str(built)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed:\n{done.stderr[-2000:]}")
+        os.replace(built, library)
+    return library
+
+
+def load(source: pathlib.Path, targets: Iterable[str]) -> ctypes.CDLL:
+    """Builds `source` and registers each exported handler `T` as FFI target `jaxinfer_T`.
+
+    Returns:
+        The loaded library (for any plain C functions it also exports).
+
+    Raises:
+        RuntimeError, OSError: The kernel cannot be built or loaded.
+    """
+    library = ctypes.cdll.LoadLibrary(str(build(source)))
+    for target in targets:
+        jax.ffi.register_ffi_target(f"jaxinfer_{target}",
+                                    jax.ffi.pycapsule(getattr(library, target)),
+                                    platform="cpu")
+    return library
+
+
+def num_threads() -> int:
+    """Threads a CPU kernel splits its work over: `$JAXINFER_CPU_KERNEL_THREADS`, else the
+    cores this process may run on."""
+    chosen = os.environ.get("JAXINFER_CPU_KERNEL_THREADS")
+    if chosen:
+        return max(1, int(chosen))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
