@@ -13,7 +13,11 @@ Ops and shapes:
   step; head dims 64/128, page sizes 16/32/64, GQA groups 1/4/8, float and int8 KV;
 - quantized matmul: int8, int4 (groups of 128) and W8A8 weights of a 4096 x 4096 layer at
   1, 16 and 256 tokens, beside the float matmul of the same layer;
-- MoE: the grouped matmul (8 experts, top-2) over 64 and 1024 tokens, float and int8.
+- MoE: the grouped matmul (8 experts, top-2) over 64 and 1024 tokens, float and int8;
+- dense matmul (float weights, the engine's linear layers): bench-30m's MLP projections
+  (512 x 1536 and 1536 x 512) over a scan of 32 stacked layers, as the engine's step runs
+  them, at 1 to 1024 rows: the CPU kernel (`dense_matmul`, reading each layer in place)
+  against XLA's dot of the sliced layer (`dense_matmul_reference`).
 
 `--quick` keeps the cases a 2-core CPU finishes in a few minutes. The reference attention
 gathers every token's whole page table, so it is skipped where that gather would not fit.
@@ -33,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.dense_matmul import cpu as dense_matmul_cpu
+from pallas_kernels.dense_matmul import dense_matmul, dense_matmul_reference
 from pallas_kernels.moe import grouped_matmul
 from pallas_kernels.quant_matmul import quantize_weight, quantized_matmul
 from pallas_kernels.ragged_paged_attention import quantize_kv_rows, ragged_paged_attention
@@ -202,6 +208,44 @@ def moe_rows(quick: bool, dtype, repeats: int) -> list[Row]:
     return rows
 
 
+def _scan_layers(matmul: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+                 stack: jax.Array) -> Callable[[jax.Array], jax.Array]:
+    """A jitted `x -> sum over layers of matmul(x, stack, layer)`, one scan iteration each."""
+
+    def run(x: jax.Array) -> jax.Array:
+        def body(total: jax.Array, layer: jax.Array) -> tuple[jax.Array, None]:
+            return total + matmul(x, stack, layer), None
+
+        start = jnp.zeros((x.shape[0], stack.shape[2]), x.dtype)  # [M, N]
+        return jax.lax.scan(body, start, jnp.arange(stack.shape[0]))[0]  # [M, N]
+
+    return jax.jit(run)
+
+
+def dense_matmul_rows(quick: bool, dtype, repeats: int) -> list[Row]:
+    """The engine's float projections over a scan of stacked layers, kernel against XLA."""
+    rng = np.random.default_rng(3)
+    layers = 8 if quick else 32
+    rows = []
+    for depth, width in ((512, 1536), (1536, 512)):
+        stack = jnp.asarray(rng.standard_normal((layers, depth, width), np.float32) * 0.02,
+                            dtype)  # [L, K, N]
+        kernel = _scan_layers(lambda x, w, layer: dense_matmul(x, w, layer=layer), stack)
+        xla = _scan_layers(lambda x, w, layer: dense_matmul_reference(
+            x, jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)), stack)
+        for tokens in (1, 8, 16, 64, 256, 1024):
+            x = jnp.asarray(rng.standard_normal((tokens, depth), np.float32), dtype)  # [M, K]
+            case = f"M={tokens} K={depth} N={width} x {layers} layers"
+            flops = 2 * tokens * depth * width * layers
+            moved = stack.nbytes + layers * tokens * (depth + width) * jnp.dtype(dtype).itemsize
+            rows.append(Row("dense_matmul", case, "reference",
+                            _time(lambda x=x, f=xla: f(x), repeats), moved, flops))
+            if jax.default_backend() == "cpu" and dense_matmul_cpu.available():
+                rows.append(Row("dense_matmul", case, "cpu kernel",
+                                _time(lambda x=x, f=kernel: f(x), repeats), moved, flops))
+    return rows
+
+
 def markdown(rows: list[Row], bandwidth: float, rate: float, command: str) -> str:
     """The report: machine, roofline, and one table row per timed implementation."""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -241,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth, rate = measure_machine(arguments.quick)
     rows = [*attention_rows(arguments.quick, dtype, arguments.repeats),
             *quant_matmul_rows(arguments.quick, dtype, arguments.repeats),
-            *moe_rows(arguments.quick, dtype, arguments.repeats)]
+            *moe_rows(arguments.quick, dtype, arguments.repeats),
+            *dense_matmul_rows(arguments.quick, dtype, arguments.repeats)]
     command = "python benchmarks/kernels.py" + (" --quick" if arguments.quick else "") + (
         f" --repeats {arguments.repeats}" if arguments.repeats != 5 else "")
     report = markdown(rows, bandwidth, rate, command)

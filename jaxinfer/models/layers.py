@@ -9,6 +9,8 @@ tensor as it reads it.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +21,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.hooks import ActivationHooks, linear_input
 from jaxinfer.sharding import constrain
+from pallas_kernels.dense_matmul import dense_matmul
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
@@ -82,12 +85,43 @@ class LinearParam(nnx.Param):
             out_dtype: Accumulate and return in this dtype (e.g. float32 logits); default
                 the activations' dtype.
         """
-        weight = self[...].astype(x.dtype)  # [*inputs, *outputs]
-        input_axes = self.get_metadata("input_axes", 1)
-        if input_axes > 1:
-            weight = weight.reshape(-1, *weight.shape[input_axes:])  # [I, *outputs]
-        return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())),
-                                   preferred_element_type=out_dtype)  # [..., *outputs]
+        value = self.get_value()
+        layer = None
+        if isinstance(value, StackedLayer):  # inside a scan over layers
+            if value.stack.dtype == x.dtype:
+                value, layer = value.stack, value.layer  # [L, *inputs, *outputs], []
+            else:  # a cast would convert every layer: slice first
+                value = value.matrix()  # [*inputs, *outputs]
+        lead = () if layer is None else value.shape[:1]
+        shape = value.shape[len(lead):]  # [*inputs, *outputs]
+        outputs = shape[self.get_metadata("input_axes", 1):]
+        # One [I, O] matrix (a free reshape): the C++ kernel on XLA:CPU for decode-sized
+        # products, else XLA's dot.
+        matrix = value.astype(x.dtype).reshape(*lead, -1, math.prod(outputs))  # [(L,) I, O]
+        out = dense_matmul(x, matrix, layer=layer, out_dtype=out_dtype)  # [..., O]
+        return out.reshape(*x.shape[:-1], *outputs)  # [..., *outputs]
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """What a `LinearParam` holds inside a scan over stacked layers: the whole stack and the
+    iteration's layer, so the matmul reads that layer's weight in place.
+
+    Slicing the stack per iteration (what `lax.scan` does to its inputs) made XLA:CPU copy
+    every weight of the layer before each dot, a copy per weight, layer and step
+    (`jaxinfer.models.scan`).
+
+    Attributes:
+        stack: `[L, *inputs, *outputs]` every layer's weight.
+        layer: `[]` int32, the layer this iteration runs.
+    """
+
+    stack: jax.Array
+    layer: jax.Array
+
+    def matrix(self) -> jax.Array:
+        """`[*inputs, *outputs]` this layer's weight (a slice: a copy on XLA:CPU)."""
+        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False)
 
 
 def make_linear(
@@ -163,8 +197,8 @@ class Embedding(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: logits in float32 from hidden states `x` [B, T, D]."""
         weight = self.weight[...].astype(self.dtype)  # [V, D]
-        return jnp.einsum("btd,vd->btv", x, weight,
-                          preferred_element_type=jnp.float32)  # [B, T, V]
+        return dense_matmul(x, weight, transposed=True,
+                            out_dtype=jnp.float32)  # [B, T, V]
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,152 @@
+"""The CPU kernel of float32 matmuls at decode sizes: `cpu_matmul.cc`, called through XLA FFI.
+
+XLA:CPU multiplies a few rows by a weight matrix at 20-60% of the rate it reaches on large
+products (a `[1, 512] x [512, 1536]` product at ~7 GFLOP/s, `[64, 512] x [512, 1536]` at ~105,
+against ~265 at `[1024, 512] x [512, 1536]` on the same core), and a decode step is made of
+exactly such products, one row per running sequence. The C++ kernel keeps a 6 x 64 tile of the
+output in registers while it streams the weight, and runs 1.8-4x XLA's rate at those sizes
+(`benchmarks/results/kernels.md`). For many rows (prefill buckets) XLA's own tiling is as fast
+or faster, so `supports` sends only products of at most `MAX_ROWS` rows here.
+
+The source is built on first use by `pallas_kernels.cpu_build`; where it cannot be built, or
+the CPU lacks AVX-512 (the kernel's only fast path), `available()` is False and XLA's dot runs.
+`JAXINFER_CPU_KERNELS=0` turns it off; `disabled()` does so while tracing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pathlib
+import warnings
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import cpu_build
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
+_TARGET = "DenseMatmulF32"
+# Rows up to which the kernel beats XLA:CPU's dot (measured in `benchmarks/kernels.py`): for a
+# [K, N] weight it leads by 1.8-2x up to 256 rows and trails at 1024; for an [N, K] weight
+# (a tied LM head, dotted row by row) it leads only up to ~32 rows.
+MAX_ROWS = 256
+MAX_ROWS_TRANSPOSED = 32
+_switch = {"off": False}
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block (while tracing), `supports` is False: XLA's dot runs instead (for
+    tests and side-by-side timings)."""
+    before = _switch["off"]
+    _switch["off"] = True
+    try:
+        yield
+    finally:
+        _switch["off"] = before
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built, registered and vectorized for this CPU (False, with one
+    warning, if it cannot be built, or with `JAXINFER_CPU_KERNELS=0`)."""
+    if not cpu_build.enabled_by_environment():
+        return False
+    try:
+        library = cpu_build.load(SOURCE, [_TARGET])
+    except (RuntimeError, OSError) as error:
+        warnings.warn(f"the CPU matmul kernel is unavailable, using XLA's dot instead: {error}",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return bool(library.JaxinferMatmulVectorized())
+
+
+def _single_device() -> bool:
+    """Whether no multi-device mesh is active (the custom call has no sharding rule, so a
+    sharded weight keeps XLA's dot, which the partitioner splits)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is None or mesh.empty or mesh.size == 1
+
+
+def supports(x: jax.Array, weight: jax.Array, *, transposed: bool = False) -> bool:
+    """Whether the kernel takes `x [..., K] @ weight` on this backend.
+
+    Args:
+        x: `[..., K]` activations.
+        weight: `[K, N]` (`[N, K]` with `transposed`), or `[L, K, N]` / `[L, N, K]` stacked.
+        transposed: The weight is `[N, K]`.
+    """
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    limit = MAX_ROWS_TRANSPOSED if transposed else MAX_ROWS
+    # Only while tracing (inside jit): run eagerly, each call would compile its own small
+    # programs (reshapes, the custom call) per shape, where XLA's dot is one cached op.
+    traced = isinstance(x, jax.core.Tracer) or isinstance(weight, jax.core.Tracer)
+    return (traced and not _switch["off"] and jax.default_backend() == "cpu"
+            and weight.ndim in (2, 3)
+            and x.dtype == jnp.float32 and weight.dtype == jnp.float32
+            and 0 < rows <= limit and _single_device() and available())
+
+
+def _call(x: jax.Array, stack: jax.Array, layer: jax.Array, transposed: bool) -> jax.Array:
+    if not available():  # also registers the FFI target on first use
+        raise RuntimeError("the CPU matmul kernel is unavailable on this machine")
+    rows = x.shape[0]  # x: [M, K]
+    columns = stack.shape[1] if transposed else stack.shape[2]
+    call = jax.ffi.ffi_call(f"jaxinfer_{_TARGET}",
+                            jax.ShapeDtypeStruct((rows, columns), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, stack, layer.reshape(1), transposed=transposed,
+                num_threads=np.int32(cpu_build.num_threads()))  # [M, N]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul(x: jax.Array, stack: jax.Array, layer: jax.Array, transposed: bool) -> jax.Array:
+    return _call(x, stack, layer, transposed)  # [M, N]
+
+
+def _matmul_forward(x: jax.Array, stack: jax.Array, layer: jax.Array, transposed: bool
+                    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    return _call(x, stack, layer, transposed), (x, stack, layer)
+
+
+def _matmul_backward(transposed: bool, saved: tuple[jax.Array, jax.Array, jax.Array],
+                     grad: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+    # Gradients take XLA's dot: training runs at prefill sizes, where it is as fast.
+    x, stack, layer = saved  # [M, K], [L, K, N] or [L, N, K], []
+    matrix = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)  # [K, N] or [N, K]
+    kn = matrix.T if transposed else matrix  # [K, N]
+    grad_x = grad @ kn.T  # [M, K]
+    grad_kn = x.T @ grad  # [K, N]
+    grad_matrix = grad_kn.T if transposed else grad_kn  # [K, N] or [N, K]
+    grad_stack = jax.lax.dynamic_update_index_in_dim(
+        jnp.zeros_like(stack), grad_matrix, layer, axis=0)  # [L, K, N] or [L, N, K]
+    return grad_x, grad_stack, None
+
+
+_matmul.defvjp(_matmul_forward, _matmul_backward)
+
+
+def matmul(x: jax.Array, weight: jax.Array, *, layer: jax.Array | int | None = None,
+           transposed: bool = False) -> jax.Array:
+    """`x @ weight` (or `x @ weight.T`) through the kernel; check `supports` first.
+
+    Differentiable: the backward pass uses XLA's dot.
+
+    Args:
+        x: `[..., K]` float32 activations.
+        weight: `[K, N]` float32 (`[N, K]` with `transposed`), or with `layer` a stack
+            `[L, K, N]` (`[L, N, K]`) of which `weight[layer]` is read in place.
+        layer: Index into a stacked `weight`; None for a single matrix.
+        transposed: The weight is `[N, K]`.
+
+    Returns:
+        `[..., N]` float32.
+    """
+    stack = weight if layer is not None else weight[None]  # [L, K, N] or [L, N, K]
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)  # []
+    flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    out = _matmul(flat, stack, index, transposed)  # [M, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., N]

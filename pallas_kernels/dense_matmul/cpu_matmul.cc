@@ -1,0 +1,313 @@
+// Float32 matmul for XLA:CPU at the row counts of decode steps, as an XLA FFI custom call.
+//
+// out[M, N] = a[M, K] @ b[layer], with b[layer] either [K, N] (a linear layer's weight as the
+// model stores it) or [N, K] (a tied embedding table used as the LM head); b is a stack of L
+// such matrices (L = 1 outside a scan over layers), read in place. XLA:CPU runs such products at
+// 20-60% of the machine's rate when M is small (a decode step's M is its number of sequences),
+// so a decode step spent most of its time below its roofline (`benchmarks/results/engine.md`).
+//
+// [K, N] weights: the columns are cut into tiles of 64 (four 16-lane vectors) shared over
+// `num_threads` tasks on XLA's intra-op pool (`cpu_parallel.h`); each tile walks the rows of `a` six at a time, keeping the
+// 6 x 64 outputs in 24 vector registers while it streams the tile's weight rows, in depth
+// blocks of 128 rows so the 32 KiB weight panel stays in L1 across the row blocks.
+// [N, K] weights: each task takes four weight rows and dots them with six rows of `a` at a
+// time, 24 accumulators reduced at the end.
+//
+// Built for AVX-512 (`-march=native`); elsewhere `JaxinferMatmulVectorized` returns 0 and the
+// Python side keeps XLA's dot.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_parallel.h"
+
+#include "xla/ffi/api/ffi.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+extern "C" int JaxinferMatmulVectorized() {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+namespace {
+
+constexpr int64_t kRows = 6;       // rows of `a` per register tile
+constexpr int64_t kColumns = 64;   // output columns per tile of a [K, N] weight
+constexpr int64_t kDepth = 128;    // weight rows per L1 panel of a [K, N] weight
+constexpr int64_t kWeightRows = 4;  // weight rows per tile of an [N, K] weight
+
+#ifdef __AVX512F__
+
+inline __mmask16 LaneMask(int64_t remaining) {
+  if (remaining >= 16) return 0xFFFF;
+  if (remaining <= 0) return 0;
+  return static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
+// out[R, width] (+)= a[R, depth] @ b[depth, width] for one register tile; width <= 64.
+template <int R>
+void TileKN(const float* a, int64_t lda, const float* b, int64_t ldb, float* out,
+            int64_t ldo, int64_t depth, int64_t width, bool accumulate) {
+  __mmask16 mask[4];
+  for (int v = 0; v < 4; ++v) mask[v] = LaneMask(width - 16 * v);
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) {
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(mask[v], out + r * ldo + 16 * v)
+                             : _mm512_setzero_ps();
+    }
+  }
+  if (width == kColumns) {
+    for (int64_t k = 0; k < depth; ++k) {
+      const float* row = b + k * ldb;
+      const __m512 b0 = _mm512_loadu_ps(row), b1 = _mm512_loadu_ps(row + 16);
+      const __m512 b2 = _mm512_loadu_ps(row + 32), b3 = _mm512_loadu_ps(row + 48);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(x, b2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(x, b3, acc[r][3]);
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < depth; ++k) {
+      const float* row = b + k * ldb;
+      __m512 bv[4];
+      for (int v = 0; v < 4; ++v) bv[v] = _mm512_maskz_loadu_ps(mask[v], row + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(x, bv[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(out + r * ldo + 16 * v, mask[v], acc[r][v]);
+  }
+}
+
+using TileKNFunction = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
+                                int64_t, int64_t, bool);
+constexpr TileKNFunction kTilesKN[kRows + 1] = {nullptr,      TileKN<1>, TileKN<2>, TileKN<3>,
+                                                TileKN<4>,    TileKN<5>, TileKN<6>};
+
+// out[R, N] = a[R, depth] @ b[depth, N] for R <= kStreamRows (decode steps: a few rows),
+// each thread streaming its own contiguous block of weight rows front to back, four rows at
+// a time (long runs of whole rows, the order DRAM and the hardware prefetchers serve
+// fastest), into partial sums that stay in L1, added up at the end. Each weight vector is
+// loaded once and used for every row of `a`. The column-tiled walk below reads only 256
+// bytes of a weight row before jumping to the next row, which at a few rows ran the weight
+// in at a fraction of the machine's bandwidth.
+constexpr int64_t kStreamRows = 16;
+constexpr int64_t kStreamSums = 16384;  // partial sums (R x columns) held in L1/L2 at a time
+constexpr int64_t kGroup = 8;  // rows of `a` unrolled together
+
+// sums[r, :width] += x[r, 0:4] @ w[0:4, :width] for the G rows of one group, w being four
+// consecutive weight rows (`ldw` apart, zero past `step`).
+template <int G>
+void StreamGroup(const float (*x)[4], const float* w, int64_t ldw, int64_t step,
+                 float* sums, int64_t ldsum, int64_t width) {
+  __m512 xs[G][4];
+  for (int r = 0; r < G; ++r) {
+    for (int i = 0; i < 4; ++i) xs[r][i] = _mm512_set1_ps(x[r][i]);
+  }
+  for (int64_t n = 0; n < width; n += 16) {
+    const __mmask16 mask = LaneMask(width - n);
+    __m512 weights[4];
+    for (int64_t i = 0; i < 4; ++i) {
+      weights[i] = i < step ? _mm512_maskz_loadu_ps(mask, w + i * ldw + n) : _mm512_setzero_ps();
+    }
+    for (int r = 0; r < G; ++r) {
+      __m512 total = _mm512_maskz_loadu_ps(mask, sums + r * ldsum + n);
+      for (int i = 0; i < 4; ++i) total = _mm512_fmadd_ps(xs[r][i], weights[i], total);
+      _mm512_mask_storeu_ps(sums + r * ldsum + n, mask, total);
+    }
+  }
+}
+
+using StreamGroupFunction = void (*)(const float (*)[4], const float*, int64_t, int64_t,
+                                     float*, int64_t, int64_t);
+constexpr StreamGroupFunction kStreamGroups[kGroup + 1] = {
+    nullptr, StreamGroup<1>, StreamGroup<2>, StreamGroup<3>, StreamGroup<4>,
+    StreamGroup<5>, StreamGroup<6>, StreamGroup<7>, StreamGroup<8>};
+
+void MatmulKNStream(ffi::ThreadPool& pool, const float* a, const float* b, float* out,
+                    int64_t rows, int64_t depth, int64_t columns, int32_t num_threads) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, depth / 64));
+  const int64_t chunk = std::max<int64_t>(64, (kStreamSums / rows) / 16 * 16);
+  std::vector<float> partial_sums(threads * rows * columns);  // [threads, R, N]
+  float* partials = partial_sums.data();
+  jaxinfer::ParallelFor(pool, threads, threads, [&](int64_t t) {
+    // Whole groups of four weight rows per thread (the last takes the remainder).
+    const int64_t k_begin = depth * t / threads / 4 * 4;
+    const int64_t k_end = t + 1 == threads ? depth : depth * (t + 1) / threads / 4 * 4;
+    float* partial = partials + t * rows * columns;  // [R, N]
+    std::fill(partial, partial + rows * columns, 0.0f);
+    float x[kStreamRows][4];  // [R, 4] this quad's activations (zero past the depth)
+    for (int64_t n0 = 0; n0 < columns; n0 += chunk) {
+      const int64_t width = std::min(chunk, columns - n0);
+      for (int64_t k = k_begin; k < k_end; k += 4) {
+        const int64_t step = std::min<int64_t>(4, k_end - k);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t i = 0; i < 4; ++i) x[r][i] = i < step ? a[r * depth + k + i] : 0.0f;
+        }
+        const float* row = b + k * columns + n0;
+        for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
+          kStreamGroups[std::min(kGroup, rows - r0)](x + r0, row, columns, step,
+                                                     partial + r0 * columns + n0, columns,
+                                                     width);
+        }
+      }
+    }
+  });
+  for (int64_t i = 0; i < rows * columns; ++i) {
+    float total = partials[i];
+    for (int64_t t = 1; t < threads; ++t) total += partials[t * rows * columns + i];
+    out[i] = total;
+  }
+}
+
+void MatmulKN(ffi::ThreadPool& pool, const float* a, const float* b, float* out,
+              int64_t rows, int64_t depth, int64_t columns, int32_t num_threads) {
+  if (rows <= kStreamRows) {
+    MatmulKNStream(pool, a, b, out, rows, depth, columns, num_threads);
+    return;
+  }
+  const int64_t tiles = (columns + kColumns - 1) / kColumns;
+  jaxinfer::ParallelFor(pool, tiles, num_threads, [&](int64_t tile) {
+    const int64_t first = tile * kColumns;
+    const int64_t width = std::min(kColumns, columns - first);
+    for (int64_t k0 = 0; k0 < depth; k0 += kDepth) {
+      const int64_t block = std::min(kDepth, depth - k0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+        const int64_t count = std::min(kRows, rows - m0);
+        kTilesKN[count](a + m0 * depth + k0, depth, b + k0 * columns + first, columns,
+                        out + m0 * columns + first, columns, block, width, k0 > 0);
+      }
+    }
+  });
+}
+
+// out[R, C] = a[R, depth] @ w[C, depth]^T for one register tile; C <= 4.
+template <int R>
+void TileNK(const float* a, int64_t lda, const float* w, int64_t ldw, float* out, int64_t ldo,
+            int64_t depth, int64_t count) {
+  __m512 acc[R][kWeightRows];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < kWeightRows; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < depth; k += 16) {
+    const __mmask16 mask = LaneMask(depth - k);
+    __m512 wv[kWeightRows];
+    for (int c = 0; c < kWeightRows; ++c) {
+      wv[c] = c < count ? _mm512_maskz_loadu_ps(mask, w + c * ldw + k) : _mm512_setzero_ps();
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_maskz_loadu_ps(mask, a + r * lda + k);
+      for (int c = 0; c < kWeightRows; ++c) acc[r][c] = _mm512_fmadd_ps(x, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < count; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+  }
+}
+
+using TileNKFunction = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
+                                int64_t, int64_t);
+constexpr TileNKFunction kTilesNK[kRows + 1] = {nullptr,   TileNK<1>, TileNK<2>, TileNK<3>,
+                                                TileNK<4>, TileNK<5>, TileNK<6>};
+
+constexpr int64_t kWeightRowsPerTask = 64;
+
+void MatmulNK(ffi::ThreadPool& pool, const float* a, const float* w, float* out, int64_t rows,
+              int64_t depth, int64_t columns, int32_t num_threads) {
+  const int64_t tasks = (columns + kWeightRowsPerTask - 1) / kWeightRowsPerTask;
+  jaxinfer::ParallelFor(pool, tasks, num_threads, [&](int64_t task) {
+    const int64_t end = std::min(columns, (task + 1) * kWeightRowsPerTask);
+    for (int64_t first = task * kWeightRowsPerTask; first < end; first += kWeightRows) {
+      const int64_t count = std::min(kWeightRows, end - first);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+        const int64_t block = std::min(kRows, rows - m0);
+        kTilesNK[block](a + m0 * depth, depth, w + first * depth, depth,
+                        out + m0 * columns + first, columns, depth, count);
+      }
+    }
+  });
+}
+
+#else  // no AVX-512: plain loops, so the library still builds (the Python side keeps XLA).
+
+void MatmulKN(ffi::ThreadPool& pool, const float* a, const float* b, float* out, int64_t rows,
+              int64_t depth, int64_t columns, int32_t num_threads) {
+  jaxinfer::ParallelFor(pool, rows, num_threads, [&](int64_t m) {
+    float* row = out + m * columns;
+    std::fill(row, row + columns, 0.0f);
+    for (int64_t k = 0; k < depth; ++k) {
+      const float x = a[m * depth + k];
+      for (int64_t n = 0; n < columns; ++n) row[n] += x * b[k * columns + n];
+    }
+  });
+}
+
+void MatmulNK(ffi::ThreadPool& pool, const float* a, const float* w, float* out, int64_t rows,
+              int64_t depth, int64_t columns, int32_t num_threads) {
+  jaxinfer::ParallelFor(pool, rows, num_threads, [&](int64_t m) {
+    for (int64_t n = 0; n < columns; ++n) {
+      float total = 0.0f;
+      for (int64_t k = 0; k < depth; ++k) total += a[m * depth + k] * w[n * depth + k];
+      out[m * columns + n] = total;
+    }
+  });
+}
+
+#endif
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                      ffi::Buffer<ffi::S32> layer, bool transposed, int32_t num_threads,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  auto a_shape = a.dimensions();  // [M, K]
+  auto b_shape = b.dimensions();  // [L, K, N] or [L, N, K] (a scan's stacked weights)
+  if (a_shape.size() != 2 || b_shape.size() != 3) {
+    return ffi::Error::InvalidArgument("a must be [M, K] and b [L, K, N] or [L, N, K]");
+  }
+  const int64_t rows = a_shape[0], depth = a_shape[1];
+  const int64_t columns = transposed ? b_shape[1] : b_shape[2];
+  if ((transposed ? b_shape[2] : b_shape[1]) != depth) {
+    return ffi::Error::InvalidArgument("a and b disagree on the contracted size");
+  }
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= b_shape[0]) {
+    return ffi::Error::InvalidArgument("layer index out of range");
+  }
+  // The layer's matrix is read in place: slicing it out first cost a copy of every weight
+  // per layer and step.
+  const float* weight = b.typed_data() + index * depth * columns;
+  const int32_t threads = std::max<int32_t>(1, num_threads);
+  if (transposed) {
+    MatmulNK(pool, a.typed_data(), weight, out->typed_data(), rows, depth, columns, threads);
+  } else {
+    MatmulKN(pool, a.typed_data(), weight, out->typed_data(), rows, depth, columns, threads);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseMatmulF32, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<bool>("transposed")
+                                  .Attr<int32_t>("num_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
