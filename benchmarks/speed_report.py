@@ -14,7 +14,11 @@ One run, on one machine, in sequence (never two measurements at once):
    and warm (the same cache again), for bench-30m and a 30-layer model of SmolLM2-135M's shape,
    each in a fresh process;
 5. compile time of the largest step against depth (8, 16, 32 layers);
-6. batch-1 decode latency against HF.
+6. batch-1 decode latency against HF (and vLLM, timed in its throughput process);
+7. with `make smollm2` done, the real pretrained SmolLM2-135M-Instruct (float32 HF checkpoint
+   from its GGUF): 64 requests (prompts 64-256, 64 greedy tokens) against HF and vLLM in
+   float32, and jaxinfer's fastest CPU configuration (float32) against vLLM in bfloat16, with
+   torch's bf16 matmul rate (oneDNN, AMX where the CPU has it) beside XLA's.
 The markdown section is appended to `--out`; the numbers also go to `--json`.
 """
 
@@ -102,6 +106,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/engine.md")
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--real-model", type=Path, default=ROOT / ".models/smollm2-135m-instruct",
+                        help="float32 HF checkpoint of SmolLM2-135M-Instruct (`make smollm2`); "
+                             "skipped if missing")
     args = parser.parse_args()
 
     from jaxinfer.bench import latency, roofline, throughput
@@ -117,7 +124,8 @@ def main() -> None:
     requests = make_requests(64, vocab_size=model.config.vocab_size, input_len=(64, 256),
                              output_len=128, seed=0)
     result = throughput.run_throughput(model, requests, None, compare_hf=True,
-                                       compare_vllm=not args.skip_vllm)
+                                       compare_vllm=not args.skip_vllm,
+                                       vllm_latency_tokens=128)
     table = throughput.throughput_table(result)
     result.pop("token_ids")
     report["throughput"] = {key: value for key, value in result.items()
@@ -144,6 +152,10 @@ def main() -> None:
     lat = latency.run_latency(model, batch_sizes=(1,), input_len=32, output_len=128,
                               iterations=3, compare_hf=True)
     report["latency"] = lat["rows"][0]
+
+    # 7. The real model, if converted.
+    if (args.real_model / "config.json").exists():
+        report["real_model"] = _real_model(args.real_model, skip_vllm=args.skip_vllm)
     report["seconds"] = time.perf_counter() - started
 
     if args.json:
@@ -152,6 +164,49 @@ def main() -> None:
     with open(args.out, "a") as out:
         out.write(markdown(report, table) + "\n")
     print(markdown(report, table))
+
+
+def _torch_matmul_rate(dtype: str) -> float:
+    """torch's FLOP/s on a 2048^3 matmul (oneDNN; AMX for bf16 where the CPU has it)."""
+    import torch
+
+    size = 2048
+    a = torch.rand(size, size, dtype=getattr(torch, dtype))
+    b = torch.rand(size, size, dtype=getattr(torch, dtype))
+    for _ in range(2):
+        a @ b
+    times = []
+    for _ in range(5):
+        begin = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - begin)
+    return 2 * size**3 / sorted(times)[2]
+
+
+def _real_model(directory: Path, *, skip_vllm: bool) -> dict:
+    """SmolLM2-135M-Instruct: float32 against HF and vLLM, and against vLLM in bfloat16."""
+    from jaxinfer.bench import throughput, vllm_peer
+    from jaxinfer.bench.workload import make_requests
+    from jaxinfer.model_loading import load_model
+
+    model = load_model(str(directory))
+    requests = make_requests(64, vocab_size=model.config.vocab_size, input_len=(64, 256),
+                             output_len=64, seed=0)
+    result = throughput.run_throughput(model, requests, None, compare_hf=True,
+                                       compare_vllm=not skip_vllm, roofline=False)
+    table = throughput.throughput_table(result)
+    result.pop("token_ids")
+    out = {"float32": result, "table": table,
+           "torch_bf16_matmul_flops": _torch_matmul_rate("bfloat16"),
+           "torch_f32_matmul_flops": _torch_matmul_rate("float32")}
+    if not skip_vllm:
+        bf16 = load_model(str(directory), dtype="bfloat16", param_dtype="bfloat16")
+        settings = result["engine_settings"]
+        run = vllm_peer.run_vllm(bf16, requests, max_num_seqs=settings["max_num_seqs"],
+                                 max_num_batched_tokens=settings["max_num_batched_tokens"],
+                                 max_model_len=settings["max_model_len"])
+        out["vllm_bfloat16"] = throughput.rates(requests, run.elapsed_s)
+    return out
 
 
 def markdown(report: dict, table: str) -> str:
@@ -186,11 +241,32 @@ def markdown(report: dict, table: str) -> str:
     lines += ["", "Compile time of the 1024-token step (scanned layers): " + ", ".join(
         f"{layers} layers {seconds:.1f} s" for layers, seconds in depth.items()), ""]
     row = report["latency"]
+    vllm_latency = thr.get("vllm", {}).get("batch_1_decode_ms_per_token")
     lines += ["### Batch-1 decode latency (prompt 32, 128 tokens, median of 3)", "",
               f"- jaxinfer {row['engine']['decode_ms_per_token']:.2f} ms/token, HF "
               f"{row['hf']['decode_ms_per_token']:.2f} ms/token: "
-              f"**{row['engine_over_hf']:.2f}x HF**", "",
-              f"(whole report: {report['seconds'] / 60:.1f} min)"]
+              f"**{row['engine_over_hf']:.2f}x HF**"]
+    if vllm_latency:
+        lines.append(f"- vLLM-CPU (its first request's prompt alone, 128 tokens, median of 3, "
+                     f"in its throughput process): {vllm_latency:.2f} ms/token; jaxinfer = "
+                     f"**{row['engine']['decode_ms_per_token'] / vllm_latency:.2f}x vLLM**")
+    real = report.get("real_model")
+    if real:
+        f32 = real["float32"]
+        lines += ["", "### Real model: SmolLM2-135M-Instruct (30 layers, float32 from its "
+                  "GGUF), 64 requests (prompts 64-256, 64 greedy tokens)", "", real["table"], ""]
+        if "vllm_bfloat16" in real:
+            engine_rate = f32["engine"]["output_tokens_per_s"]
+            bf16_rate = real["vllm_bfloat16"]["output_tokens_per_s"]
+            lines.append(f"- vLLM-CPU in bfloat16: {bf16_rate:.1f} output tok/s; jaxinfer's "
+                         f"fastest CPU configuration (float32) {engine_rate:.1f} = "
+                         f"**{engine_rate / bf16_rate:.2f}x**")
+        lines.append(f"- matmul rates here, 2048^3: torch bf16 "
+                     f"{real['torch_bf16_matmul_flops'] / 1e9:.0f} GFLOP/s, torch f32 "
+                     f"{real['torch_f32_matmul_flops'] / 1e9:.0f}, XLA bf16 "
+                     f"{peaks['bfloat16']['matmul_flops'] / 1e9:.0f}, XLA f32 "
+                     f"{peaks['float32']['matmul_flops'] / 1e9:.0f}")
+    lines += ["", f"(whole report: {report['seconds'] / 60:.1f} min)"]
     return textwrap.dedent("\n".join(lines))
 
 

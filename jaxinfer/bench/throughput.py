@@ -206,7 +206,8 @@ def agreement(requests: Sequence[BenchRequest], ours: dict[str, list[int]],
 def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
                    options: Mapping[str, Any] | None = None, *, compare_hf: bool = False,
                    hf_batch_size: int = 16, hf_threads: int | None = None,
-                   roofline: bool = True, compare_vllm: bool = False) -> dict[str, Any]:
+                   roofline: bool = True, compare_vllm: bool = False,
+                   vllm_latency_tokens: int = 0) -> dict[str, Any]:
     """The throughput benchmark.
 
     Args:
@@ -218,6 +219,8 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         hf_threads: torch intra-op threads (None: torch's default).
         compare_vllm: Also run vLLM for CPU (`make vllm-env`) on the same requests and
             weights, with the engine's step sizes (`jaxinfer.bench.vllm_peer`).
+        vllm_latency_tokens: With compare_vllm and >= 2, vLLM also times batch-1 decode over
+            this many tokens in the same process ("batch_1_decode_ms_per_token").
         roofline: After the run, measure the machine's peaks and time a prefill step and
             decode steps at batch 1/16/64 against their floors (`jaxinfer.bench.roofline`).
 
@@ -253,10 +256,12 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         vllm_run = vllm_peer.run_vllm(
             model, requests, max_num_seqs=scheduler.max_num_seqs,
             max_num_batched_tokens=scheduler.max_num_batched_tokens,
-            max_model_len=engine.config.max_model_len)
+            max_model_len=engine.config.max_model_len, latency_tokens=vllm_latency_tokens)
         check_lengths(requests, vllm_run.token_ids, "vLLM")
         result["vllm"] = {**rates(requests, vllm_run.elapsed_s),
                           "warm_up_s": vllm_run.startup_s, "version": vllm_run.version}
+        if vllm_run.decode_ms_per_token is not None:
+            result["vllm"]["batch_1_decode_ms_per_token"] = vllm_run.decode_ms_per_token
         result["engine_over_vllm"] = (result["engine"]["output_tokens_per_s"]
                                       / result["vllm"]["output_tokens_per_s"])
         result["vllm_token_agreement"] = agreement(requests, run.token_ids,

@@ -66,11 +66,12 @@ class VLLMRun:
     startup_s: float
     token_ids: dict[str, list[int]]
     version: str
+    decode_ms_per_token: float | None = None
 
 
 def run_vllm(model: Any, requests: Sequence[BenchRequest], *, max_num_seqs: int,
              max_num_batched_tokens: int, max_model_len: int,
-             timeout_s: float = 3600) -> VLLMRun:
+             latency_tokens: int = 0, timeout_s: float = 3600) -> VLLMRun:
     """Runs the workload through vLLM in its own environment.
 
     Args:
@@ -79,6 +80,8 @@ def run_vllm(model: Any, requests: Sequence[BenchRequest], *, max_num_seqs: int,
         max_num_seqs: vLLM's running-sequence limit (the engine's).
         max_num_batched_tokens: vLLM's step token budget (the engine's).
         max_model_len: Longest sequence.
+        latency_tokens: If >= 2, also time batch-1 decode over this many tokens (the first
+            request's prompt alone) in the same vLLM process.
         timeout_s: Give up after this long.
 
     Raises:
@@ -102,7 +105,8 @@ def run_vllm(model: Any, requests: Sequence[BenchRequest], *, max_num_seqs: int,
         done = subprocess.run([str(python), str(SCRIPT), str(checkpoint), str(request_file),
                                str(output_file), "--max-num-seqs", str(max_num_seqs),
                                "--max-num-batched-tokens", str(max_num_batched_tokens),
-                               "--max-model-len", str(max_model_len), "--dtype", dtype],
+                               "--max-model-len", str(max_model_len), "--dtype", dtype,
+                               "--latency", str(latency_tokens)],
                               capture_output=True, text=True, timeout=timeout_s,
                               env=environment)
         if done.returncode != 0:
@@ -111,4 +115,5 @@ def run_vllm(model: Any, requests: Sequence[BenchRequest], *, max_num_seqs: int,
         result = json.loads(output_file.read_text())
     version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
                              capture_output=True, text=True, check=False).stdout.strip()
-    return VLLMRun(result["elapsed_s"], result["startup_s"], result["token_ids"], version)
+    return VLLMRun(result["elapsed_s"], result["startup_s"], result["token_ids"], version,
+                   result.get("decode_ms_per_token"))

@@ -9,6 +9,9 @@ import the main module again. The requests are token ids (no tokenizer: `skip_to
 each is greedy, `ignore_eos`, exactly its output length, as `jaxinfer bench throughput` asks of
 every backend. The output JSON holds the start-up seconds (building `LLM`, which includes
 vLLM's warm-up), the elapsed seconds of the timed `generate` call, and each request's tokens.
+With `--latency N`, it then times the first request's prompt alone (batch 1), generating 1 and
+N tokens (median of 3 each), and adds batch-1 decode ms/token, (t_N - t_1) / (N - 1), the
+same measure as `jaxinfer bench latency`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, required=True)
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--latency", type=int, default=0,
+                        help="also time batch-1 decode over this many tokens (>= 2)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -50,8 +55,22 @@ def main() -> None:
     elapsed = time.perf_counter() - started
     token_ids = {request["request_id"]: list(output.outputs[0].token_ids)
                  for request, output in zip(requests, outputs, strict=True)}
+    result = {"startup_s": startup, "elapsed_s": elapsed, "token_ids": token_ids}
+    if args.latency >= 2:
+        def seconds(tokens: int) -> float:
+            single = SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens,
+                                    ignore_eos=True, detokenize=False)
+            times = []
+            for _ in range(3):
+                begin = time.perf_counter()
+                llm.generate(prompts[:1], single, use_tqdm=False)
+                times.append(time.perf_counter() - begin)
+            return sorted(times)[1]
+
+        first, whole = seconds(1), seconds(args.latency)
+        result["decode_ms_per_token"] = 1000 * (whole - first) / (args.latency - 1)
     with open(args.output, "w") as file:
-        json.dump({"startup_s": startup, "elapsed_s": elapsed, "token_ids": token_ids}, file)
+        json.dump(result, file)
 
 
 if __name__ == "__main__":
