@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -156,22 +156,26 @@ class DraftModelProposer:
             if sequence is not None:
                 self.kv_cache_manager.free(sequence)
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+    def propose(self, requests: Sequence[Request],
+                num_tokens: Mapping[str, int] | None = None) -> dict[str, Draft]:
         """Drafts, with their `[R, V]` distributions, for the (decoding) requests.
 
-        A request gets fewer than R drafts near its `max_tokens` or `max_model_len`, and none
-        when the drafter's pool has no room for it this step.
+        A request gets at most `num_tokens[id]` drafts (default R; when no request gets more
+        than one, the decode loop does not run), fewer near its `max_tokens` or
+        `max_model_len`, and none when the drafter's pool has no room for it this step.
         """
         started = time.perf_counter()
-        drafts = self._propose(requests)
+        drafts = self._propose(requests, num_tokens or {})
         self.seconds += time.perf_counter() - started
         return drafts
 
-    def _propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+    def _propose(self, requests: Sequence[Request],
+                 limits: Mapping[str, int]) -> dict[str, Draft]:
         wanted: dict[str, int] = {}
         work: list[tuple[DraftSequence, list[int]]] = []
         for request in requests:
-            count = min(self.num_tokens, request.max_tokens - request.num_output_tokens - 1,
+            count = min(self.num_tokens, limits.get(request.request_id, self.num_tokens),
+                        request.max_tokens - request.num_output_tokens - 1,
                         self.config.max_model_len - request.num_tokens - 1)
             if count < 1:
                 continue

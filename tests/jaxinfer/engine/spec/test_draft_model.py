@@ -24,7 +24,8 @@ from jaxinfer.model_loading import load_model
 from jaxinfer.models import create_model
 
 NEW_TOKENS = 10
-DRAFT = {"method": "draft_model", "model": "tiny-noisy-copy", "num_tokens": 3}
+DRAFT = {"method": "draft_model", "model": "tiny-noisy-copy", "num_tokens": 3,
+         "adaptive": False}
 
 
 @pytest.fixture(scope="module")
