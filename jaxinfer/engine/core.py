@@ -62,7 +62,7 @@ from jaxinfer.engine.host.scheduler import Scheduler
 from jaxinfer.engine.input_processor import InputProcessor, ProcessedRequest, Prompt
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from jaxinfer.engine.spec.controller import SpecController
 from jaxinfer.engine.spec.proposer import Proposer, build_proposer
 from jaxinfer.models import Transformer
@@ -93,6 +93,11 @@ def _is_decoding(request: Request) -> bool:
     min_tokens no longer holds stop tokens back (it would change per draft position)."""
     return (request.num_computed_tokens == request.num_tokens - 1
             and request.num_output_tokens >= request.sampling_params.min_tokens)
+
+
+def _samples(params: SamplingParams | None) -> bool:
+    """Whether a request samples (temperature > 0) rather than taking the argmax."""
+    return params is not None and params.temperature >= GREEDY_TEMPERATURE_EPS
 
 
 def _cut(draft: Draft, num_tokens: int) -> Draft:
@@ -187,7 +192,11 @@ class Engine:
         if self.proposer is not None:
             self.proposer.warm_up()
         if self.spec_controller is not None:
-            self.spec_controller.step_costs.bootstrap(self.runner.time_steps())
+            self.spec_controller.bootstrap(self.runner.time_steps())
+            # A proposer with device work may time it too (the draft model does).
+            time_drafts = getattr(self.proposer, "time_drafts", None)
+            if time_drafts is not None:
+                self.spec_controller.draft_costs.bootstrap(time_drafts())
         return time.perf_counter() - started
 
     @property
@@ -334,7 +343,9 @@ class Engine:
             controller.observe_step(
                 scheduled.num_scheduled_tokens,
                 any(request.spec_token_ids for request in scheduled.scheduled_requests),
-                executed - executing, (executing - proposed) + (finished_at - executed))
+                executed - executing, (executing - proposed) + (finished_at - executed),
+                sampled=any(_samples(request.sampling_params)
+                            for request in scheduled.scheduled_requests))
         return outputs
 
     def _propose_drafts(self) -> dict[str, Draft] | None:
@@ -377,7 +388,8 @@ class Engine:
             room, num_tokens=own + waiting,
             num_emitting=sum(1 for request in running
                              if request.num_computed_tokens == request.num_tokens - 1),
-            max_drafts=config.max_num_batched_tokens - min(own, config.max_num_batched_tokens))
+            max_drafts=config.max_num_batched_tokens - min(own, config.max_num_batched_tokens),
+            sampled=any(_samples(request.sampling_params) for request in running))
 
     # ------------------------------------------------------------------ metrics
 

@@ -14,13 +14,17 @@ count per decoding request, and the controller maximises expected output tokens 
   `E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)` tokens in expectation, so the j-th
   draft of a request is worth `a^j` tokens.
 * Cost. `StepCosts` holds a decayed mean of the target step's measured wall seconds per
-  (token bucket, whether it verifies drafts), bootstrapped by timing every bucket once at
-  warm-up (`ModelRunner.time_steps`); a bucket never measured is priced pessimistically,
-  growing linearly in tokens from the nearest smaller measured bucket. Tokens past the
-  token budget displace prefill tokens to a later step and are priced linearly too. The
-  drafter's seconds per step are measured per (sequence bucket of drafting requests,
-  whether any request gets more than one draft), and the engine's per-step host overhead
-  (scheduling, outputs) is added to every choice.
+  (token bucket, whether it verifies drafts), one table for all-greedy steps and one for
+  steps that sample (the sampler's sorts then run on every verified position). Both start
+  from timing every bucket once at warm-up (`ModelRunner.time_steps`, on padding), which
+  the first real step of each key replaces; a bucket never measured is priced
+  pessimistically, growing linearly in tokens from the nearest smaller measured bucket.
+  Tokens past the token budget displace prefill tokens to a later step and are priced
+  linearly too. The proposer's seconds per call are measured per (sequence bucket of
+  drafting requests, whether any request gets more than one draft), started from its own
+  warm-up timing where it has one (`time_drafts`), each call moving the estimate by at most
+  a factor `MAX_DRAFT_JUMP` (a drafter's first call also prefills the prompt); the engine's
+  per-step host overhead (scheduling, outputs) is added to every choice.
 * Choice. Every draft is a (request, j) with value `a^j`; taking the D most valuable drafts
   is the best way to spend D draft tokens (values fall with j, so each request gets a prefix).
   The controller evaluates every D from 0 (plain decoding) to what the budget leaves after
@@ -29,8 +33,10 @@ count per decoding request, and the controller maximises expected output tokens 
 * Probes. A request with no verification for `PROBE_AFTER_STEPS` steps (turned off for low
   acceptance, or because drafts did not pay) may get one draft anyway, longest-waiting
   first, while the extra seconds that costs stay within a probe allowance that grows by
-  `probe_fraction` of every step's measured time; so probing costs at most that share of the
-  run, and a request whose text turned copyable comes back.
+  `probe_fraction` of every step's measured time; a proposer call that then takes longer
+  than estimated (a drafter catching up on a probed request's tokens) is charged to the
+  allowance too. So probing costs about that share of the run, and a request whose text
+  turned copyable comes back.
 
 Pure Python, no jax: it sees request ids, counts and seconds only.
 """
@@ -55,6 +61,8 @@ COST_DECAY = 0.8
 # A verifying step's cost relative to a plain one of the same bucket, before either is
 # measured in a bucket that has both.
 VERIFY_OVERHEAD_GUESS = 1.25
+# One proposer call moves its cost estimate to at most this many times the estimate.
+MAX_DRAFT_JUMP = 2.0
 # Steps without a verification after which a request may be probed.
 PROBE_AFTER_STEPS = 16
 # The probe allowance never exceeds this many mean steps' seconds (no bursts of probes).
@@ -102,17 +110,20 @@ class StepCosts:
     def __init__(self, token_buckets: Sequence[int]) -> None:
         self.token_buckets = tuple(token_buckets)
         self.seconds_by_key: dict[tuple[int, bool], float] = {}
+        self._measured: set[tuple[int, bool]] = set()  # keys seen in real steps
         self._overhead = VERIFY_OVERHEAD_GUESS  # verifying / plain seconds in one bucket
 
     def observe(self, num_tokens: int, verifies: bool, seconds: float) -> None:
-        """Records one step that fed `num_tokens` tokens (its bucket is what it cost)."""
+        """Records one step that fed `num_tokens` tokens (its bucket is what it cost); the
+        first real step of a key replaces its warm-up timing (padding has no context)."""
         bucket = _bucket_for(num_tokens, self.token_buckets)
         if bucket is None:
             return
         key = (bucket, verifies)
         old = self.seconds_by_key.get(key)
-        self.seconds_by_key[key] = seconds if old is None else (
+        self.seconds_by_key[key] = seconds if old is None or key not in self._measured else (
             COST_DECAY * old + (1 - COST_DECAY) * seconds)
+        self._measured.add(key)
         self._update_overhead()
 
     def bootstrap(self, seconds_by_key: Mapping[tuple[int, bool], float]) -> None:
@@ -188,11 +199,20 @@ class DraftCosts:
         return bucket, max_drafts > 1
 
     def observe(self, num_requests: int, max_drafts: int, seconds: float) -> None:
-        """Records one proposer call for `num_requests` requests, the most drafts `max_drafts`."""
+        """Records one proposer call for `num_requests` requests, the most drafts `max_drafts`.
+
+        A call can be long for a reason that does not recur (a drafter catching up on a
+        whole prompt), so one observation counts for at most `MAX_DRAFT_JUMP` times the
+        estimate it updates."""
         key = self._key(num_requests, max_drafts)
         old = self.seconds_by_key.get(key)
         self.seconds_by_key[key] = seconds if old is None else (
-            COST_DECAY * old + (1 - COST_DECAY) * seconds)
+            COST_DECAY * old + (1 - COST_DECAY) * min(seconds, MAX_DRAFT_JUMP * old))
+
+    def bootstrap(self, seconds_by_key: Mapping[tuple[int, bool], float]) -> None:
+        """Takes warm-up timings (per (sequence bucket, loops)) for keys not measured yet."""
+        for key, seconds in seconds_by_key.items():
+            self.seconds_by_key.setdefault(key, seconds)
 
     def seconds(self, num_requests: int, max_drafts: int) -> float:
         """Expected seconds of a proposer call: measured, else the nearest measured key's
@@ -239,7 +259,9 @@ class SpecController:
         probe_fraction: The share of measured step time probes may spend.
 
     Attributes:
-        step_costs: The target step's measured costs.
+        step_costs: The target step's measured costs, for steps with only greedy requests
+            (False) and with sampled ones (True: the sampler's sorts, on every verified
+            position too).
         draft_costs: The proposer's measured costs.
         stats: What it chose so far.
     """
@@ -248,7 +270,7 @@ class SpecController:
                  sequence_buckets: Sequence[int], probe_fraction: float = 0.02) -> None:
         self.num_tokens = num_tokens
         self.max_num_batched_tokens = token_buckets[-1]
-        self.step_costs = StepCosts(token_buckets)
+        self.step_costs = {sampled: StepCosts(token_buckets) for sampled in (False, True)}
         self.draft_costs = DraftCosts(sequence_buckets)
         self.probe_fraction = probe_fraction
         self.overhead_seconds = 0.0  # decayed mean host seconds per step outside the runner
@@ -257,6 +279,7 @@ class SpecController:
         self._last_drafted: dict[str, int] = {}  # request id -> step it last got drafts
         self._step = 0
         self._probe_allowance = 0.0
+        self._probed_draft_seconds: float | None = None  # estimate of the probing call
         self._mean_step_seconds = 0.0
         self.stats = PlanStats()
 
@@ -267,11 +290,17 @@ class SpecController:
         rate = self._acceptance.get(request_id)
         return (rate if rate is not None else self.prior).rate
 
+    def bootstrap(self, seconds_by_key: Mapping[tuple[int, bool], float]) -> None:
+        """Starts both step cost models from warm-up timings (per (bucket, verifies))."""
+        for costs in self.step_costs.values():
+            costs.bootstrap(seconds_by_key)
+
     def step_seconds(self, num_tokens: int, num_drafts: int, num_drafting: int,
-                     max_drafts: int) -> float | None:
+                     max_drafts: int, sampled: bool = False) -> float | None:
         """Expected seconds of a whole step: the target step feeding `num_tokens` tokens (of
-        which `num_drafts` drafts), the proposer for `num_drafting` requests, host overhead."""
-        target = self.step_costs.seconds(num_tokens, num_drafts > 0)
+        which `num_drafts` drafts; `sampled`: some request samples), the proposer for
+        `num_drafting` requests, host overhead."""
+        target = self.step_costs[sampled].seconds(num_tokens, num_drafts > 0)
         if target is None:
             return None
         return (target + self.draft_costs.seconds(num_drafting, max_drafts)
@@ -280,7 +309,7 @@ class SpecController:
     # ------------------------------------------------------------------ choice
 
     def plan(self, room: Mapping[str, int], *, num_tokens: int, num_emitting: int,
-             max_drafts: int) -> dict[str, int]:
+             max_drafts: int, sampled: bool = False) -> dict[str, int]:
         """Draft counts for the coming step.
 
         Args:
@@ -292,6 +321,7 @@ class SpecController:
             num_emitting: Requests that emit a token this step without speculation.
             max_drafts: The most drafts the step can take without starving a running request
                 (the token budget less the running requests' own tokens).
+            sampled: Whether any running request samples (temperature > 0).
 
         Returns:
             Per request id, its draft count (requests with none are left out).
@@ -306,7 +336,7 @@ class SpecController:
              for j in range(1, min(count, self.num_tokens) + 1)),
             reverse=True)[:max(max_drafts, 0)]  # [(value, -order, id)], most valuable first
         counts: collections.Counter[str] = collections.Counter()  # request id -> drafts
-        plain = self.step_seconds(base, 0, 0, 0)
+        plain = self.step_seconds(base, 0, 0, 0, sampled)
         if plain is not None and num_emitting > 0:
             best_rate, best_drafts = num_emitting / plain, 0
             gain, most = 0.0, 0
@@ -314,13 +344,17 @@ class SpecController:
                 gain += value
                 counts[request_id] += 1
                 most = max(most, counts[request_id])
-                seconds = self.step_seconds(base + drafts, drafts, len(counts), most)
+                seconds = self.step_seconds(base + drafts, drafts, len(counts), most, sampled)
                 rate = (num_emitting + gain) / seconds
                 if rate > best_rate:
                     best_rate, best_drafts = rate, drafts
             counts = collections.Counter(request_id for _, _, request_id
                                          in values[:best_drafts])
-        self._probe(room, counts, base, max_drafts)
+        probes = self.stats.num_probes
+        self._probe(room, counts, base, max_drafts, sampled)
+        self._probed_draft_seconds = (
+            self.draft_costs.seconds(len(counts), max(counts.values(), default=0))
+            if self.stats.num_probes > probes else None)
         self.stats.num_request_steps += len(room)
         self.stats.num_planned_drafts += sum(counts.values())
         for request_id in counts:
@@ -328,7 +362,7 @@ class SpecController:
         return dict(counts)
 
     def _probe(self, room: Mapping[str, int], counts: collections.Counter[str], base: int,
-               max_drafts: int) -> None:
+               max_drafts: int, sampled: bool) -> None:
         """Adds one draft for stale requests without any, while the allowance covers it."""
         stale = sorted((self._last_drafted[request_id], request_id)
                        for request_id, count in room.items()
@@ -338,7 +372,7 @@ class SpecController:
             return
         drafts = sum(counts.values())
         before = self.step_seconds(base + drafts, drafts, len(counts),
-                                   max(counts.values(), default=0))
+                                   max(counts.values(), default=0), sampled)
         if before is None:
             return
         for _, request_id in stale:
@@ -346,7 +380,7 @@ class SpecController:
                 return
             counts[request_id] = 1
             after = self.step_seconds(base + drafts + 1, drafts + 1, len(counts),
-                                      max(counts.values()))
+                                      max(counts.values()), sampled)
             if after - before > self._probe_allowance:
                 del counts[request_id]
                 return
@@ -369,11 +403,11 @@ class SpecController:
         self.prior.add(num_accepted, trials, PRIOR_DECAY)
 
     def observe_step(self, num_tokens: int, verifies: bool, seconds: float,
-                     overhead_seconds: float) -> None:
+                     overhead_seconds: float, sampled: bool = False) -> None:
         """Records a target step that fed `num_tokens` tokens in `seconds` (the runner's
-        wall time) plus `overhead_seconds` of host work around it; feeds the probe
-        allowance."""
-        self.step_costs.observe(num_tokens, verifies, seconds)
+        wall time) plus `overhead_seconds` of host work around it (`sampled`: some request
+        sampled); feeds the probe allowance."""
+        self.step_costs[sampled].observe(num_tokens, verifies, seconds)
         self.overhead_seconds = (COST_DECAY * self.overhead_seconds
                                  + (1 - COST_DECAY) * overhead_seconds)
         total = seconds + overhead_seconds
@@ -385,6 +419,9 @@ class SpecController:
 
     def observe_drafts(self, num_requests: int, max_drafts: int, seconds: float) -> None:
         """Records a proposer call for `num_requests` requests (the most drafts `max_drafts`)."""
+        if self._probed_draft_seconds is not None:
+            self._probe_allowance -= max(0.0, seconds - self._probed_draft_seconds)
+            self._probed_draft_seconds = None
         if num_requests:
             self.draft_costs.observe(num_requests, max_drafts, seconds)
 

@@ -149,6 +149,28 @@ class DraftModelProposer:
                 self._run_decode([], num_seqs)
         return time.perf_counter() - started
 
+    def time_drafts(self, repeats: int = 3) -> dict[tuple[int, bool], float]:
+        """Seconds of one proposal on padding, per (sequence bucket, whether the decode loop
+        runs): the drafter step of the smallest token bucket holding one token per sequence,
+        plus the loop; the fastest of `repeats`. Call after `warm_up` (compiles nothing).
+
+        Returns:
+            A starting point for `jaxinfer.engine.spec.controller.DraftCosts`.
+        """
+        steps = self.runner.time_steps(repeats)  # (token bucket, False) -> seconds
+        timings = {}
+        for num_seqs in self.config.sequence_buckets:
+            step = steps[(self.runner.token_bucket(num_seqs), False)]
+            timings[(num_seqs, False)] = step
+            if self.num_tokens > 1:
+                best = float("inf")
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    self._run_decode([], num_seqs)
+                    best = min(best, time.perf_counter() - started)
+                timings[(num_seqs, True)] = step + best
+        return timings
+
     def release(self, request_ids: Iterable[str]) -> None:
         """Frees the drafter pages of requests that finished or were aborted."""
         for request_id in request_ids:

@@ -23,7 +23,7 @@ SEQUENCE_BUCKETS = (1, 2, 4, 8)
 def _controller(costs: dict[tuple[int, bool], float] | None = None,
                 probe_fraction: float = 0.0) -> SpecController:
     controller = SpecController(R, BUCKETS, SEQUENCE_BUCKETS, probe_fraction)
-    controller.step_costs.bootstrap(costs if costs is not None else {
+    controller.bootstrap(costs if costs is not None else {
         (8, False): 0.010, (8, True): 0.011, (16, False): 0.020, (16, True): 0.022,
         (32, False): 0.030, (32, True): 0.033, (64, False): 0.050, (64, True): 0.055,
         (128, False): 0.090, (128, True): 0.099})
@@ -66,7 +66,7 @@ def test_low_acceptance_turns_speculation_off():
     assert _plan_decoding(controller, ["a"]) == {}
     # The same slack at a middling rate buys a shorter draft: its 4th draft is worth 0.3^4.
     controller = _controller()
-    controller.step_costs.bootstrap({})
+    controller.bootstrap({})
     _verify(controller, "b", accepted=1, drafted=2)  # one of two accepted: rate 0.5
     plan = _plan_decoding(controller, ["b"])
     assert plan == {"b": R}  # drafts in the slack of bucket 8 cost only the verification
@@ -128,7 +128,8 @@ def test_a_turned_off_request_is_probed_within_its_allowance():
     grants = []
     for _ in range(2 * PROBE_AFTER_STEPS):
         grants.append(_plan_decoding(controller, ["a"]))
-        controller.observe_step(1 + sum(grants[-1].values()), bool(grants[-1]), 0.010, 0.0)
+        controller.observe_step(1 + sum(grants[-1].values()), bool(grants[-1]),
+                                0.011 if grants[-1] else 0.010, 0.0)
     probes = [step for step, grant in enumerate(grants) if grant]
     assert probes and probes[0] >= PROBE_AFTER_STEPS - 1
     assert all(grants[step] == {"a": 1} for step in probes)
@@ -157,6 +158,29 @@ def test_probes_never_cross_into_a_costlier_bucket_beyond_the_allowance():
     assert crossed <= 1
 
 
+def test_a_probe_that_costs_more_than_estimated_is_charged_to_the_allowance():
+    controller = _controller(probe_fraction=0.05)
+    _verify(controller, "a", accepted=0)
+    probes = []
+    for _ in range(4 * PROBE_AFTER_STEPS):
+        grant = _plan_decoding(controller, ["a"])
+        if grant:
+            probes.append(grant)
+            controller.observe_drafts(1, 1, 0.100)  # a drafter catching up: 10 steps' worth
+        controller.observe_step(1 + sum(grant.values()), bool(grant),
+                                0.011 if grant else 0.010, 0.0)
+    assert len(probes) == 1  # 5% of 64 steps of 0.010 s does not repay 0.1 s
+
+
+def test_first_real_steps_replace_warm_up_timings():
+    controller = _controller()
+    controller.observe_step(8, True, 0.030, 0.0)  # real context: dearer than padding
+    assert controller.step_costs[False].seconds(8, True) == 0.030
+    assert controller.step_costs[True].seconds(8, True) == 0.011  # sampled: not yet seen
+    controller.observe_step(8, True, 0.040, 0.0)
+    assert 0.030 < controller.step_costs[False].seconds(8, True) < 0.040
+
+
 def test_nothing_is_drafted_before_any_cost_is_known():
     controller = SpecController(R, BUCKETS, SEQUENCE_BUCKETS)
     assert _plan_decoding(controller, ["a"]) == {}
@@ -166,7 +190,7 @@ def test_nothing_is_drafted_before_any_cost_is_known():
 
 def test_unmeasured_buckets_are_priced_pessimistically():
     costs = StepCosts(BUCKETS)
-    assert costs.seconds(8, False) is None
+    assert costs.seconds(8, False) is None and not costs.measured
     costs.observe(5, False, 0.010)
     assert costs.seconds(8, False) == 0.010
     assert costs.seconds(16, False) == pytest.approx(0.020)  # linear from bucket 8
