@@ -218,11 +218,14 @@ class SpeculativeConfig:
         min_ngram: Shortest suffix it tries before giving up (no drafts that step).
         model: The drafter for "draft_model" (anything `load_model` takes, e.g.
             "builtin:demo-draft"); it must share the target's tokenizer.
-        adaptive: Choose each step how many drafts (0 .. num_tokens) each request gets, from
-            its measured acceptance and the measured cost of the step
+        adaptive: Speculate only in the regimes (batch size, sampling) where speculation
+            has measured faster than plain decoding (`jaxinfer.engine.spec.gate`), and there
+            choose each step how many drafts (0 .. num_tokens) each request gets, from its
+            measured acceptance and the measured cost of the step
             (`jaxinfer.engine.spec.controller`); False always drafts num_tokens.
-        probe_fraction: With `adaptive`, the share of step time the controller may spend on
-            probes: a draft for a request it turned off, to measure its acceptance again.
+        probe_fraction: With `adaptive`, the share of time spent re-measuring what was turned
+            off: the gate's re-checks of the mode it did not choose, and the controller's
+            probes (a draft for a request it turned off, to measure its acceptance again).
     """
 
     method: str

@@ -30,12 +30,15 @@ speculating request samples exactly from the target's distribution and repeats i
 the same way, but its draws depend on which drafts were verified, so (unlike a plain seeded
 request) its tokens can change when a crowded batch's token budget trims its drafts.
 
-With `adaptive` speculation (the default), a `SpecController` decides each step, before the
-proposer runs, how many drafts (0 .. R) each decoding request gets, from the request's
-measured acceptance and the measured cost of the step's token bucket and of the drafter
+With `adaptive` speculation (the default), a `ThroughputGate` first decides whether the step
+speculates at all, per regime (batch bucket, whether any request samples), from the measured
+output tokens per second of whole decode-only steps with speculation on and off
+(`jaxinfer.engine.spec.gate`); off, the proposer is not called. On, a `SpecController`
+decides how many drafts (0 .. R) each decoding request gets, from the request's measured
+acceptance and the measured cost of the step's token bucket and of the drafter
 (`jaxinfer.engine.spec.controller`); only requests granted drafts are proposed for, and
-their drafts are cut to the grant. The engine feeds it every verification's outcome and
-every step's wall times, and `warm_up` times each token bucket once to start its cost model.
+their drafts are cut to the grant. The engine feeds them every verification's outcome and
+every step's wall times, and `warm_up` times each token bucket once to start the cost model.
 
 A request with `n > 1` becomes n scheduler requests ("ID#0", "ID#1", ...). With prefix caching
 on, the first one runs alone until its prompt is computed, and the others are admitted after
@@ -64,6 +67,7 @@ from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from jaxinfer.engine.spec.controller import SpecController
+from jaxinfer.engine.spec.gate import Regime, ThroughputGate, regime_of
 from jaxinfer.engine.spec.proposer import Proposer, build_proposer
 from jaxinfer.models import Transformer
 from jaxinfer.multihost import StepChannel
@@ -170,6 +174,11 @@ class Engine:
             SpecController(speculative.num_tokens, self.runner.config.token_buckets,
                            self.runner.config.sequence_buckets, speculative.probe_fraction)
             if speculative is not None and speculative.adaptive else None)
+        # Above the controller: whether a step speculates at all, from measured throughput.
+        self.spec_gate: ThroughputGate | None = (
+            ThroughputGate(speculative.probe_fraction)
+            if self.spec_controller is not None else None)
+        self._gated: tuple[Regime, bool] | None = None  # this step's regime and gate choice
         self.input_processor = InputProcessor(model.config, config, tokenizer,
                                               speculative=self.speculative is not None)
         self.output_processor = OutputProcessor(tokenizer)
@@ -302,6 +311,7 @@ class Engine:
             `output_kind` (cumulative, delta, or final only).
         """
         started = time.perf_counter()
+        self._gated = None
         drafts = self._propose_drafts()
         proposed = time.perf_counter()
         scheduled = self.scheduler.schedule(drafts)
@@ -346,11 +356,20 @@ class Engine:
                 executed - executing, (executing - proposed) + (finished_at - executed),
                 sampled=any(_samples(request.sampling_params)
                             for request in scheduled.scheduled_requests))
+        if self._gated is not None and all(
+                request.needs_sample and len(request.token_ids) == 1 + len(request.spec_token_ids)
+                for request in scheduled.scheduled_requests):
+            # A decode-only step: its output tokens per whole-step second measure the mode.
+            regime, speculated = self._gated
+            self.spec_gate.observe(regime, speculated,
+                                   sum(len(update.new_token_ids) for update in updates),
+                                   finished_at - started)
         return outputs
 
     def _propose_drafts(self) -> dict[str, Draft] | None:
         """The proposer's drafts for the speculating, decoding requests' coming step (with
-        adaptive speculation: for those the controller grants drafts, cut to the grant)."""
+        adaptive speculation: none when the throughput gate keeps the step plain, else for
+        the requests the controller grants drafts, cut to the grant)."""
         if self.proposer is None:
             return None
         decoding = [request for request in self.scheduler.running
@@ -359,6 +378,14 @@ class Engine:
             return {}
         if self.spec_controller is None:
             return self.proposer.propose(decoding)
+        running = self.scheduler.running
+        regime = regime_of(sum(1 for request in running
+                               if request.num_computed_tokens == request.num_tokens - 1),
+                           any(_samples(request.sampling_params) for request in running))
+        speculate = self.spec_gate.speculate(regime)
+        self._gated = regime, speculate
+        if not speculate:
+            return {}  # plain decoding this step: the proposer is not called at all
         grants = self._plan_drafts(decoding)
         chosen = [request for request in decoding if request.request_id in grants]
         if not chosen:

@@ -95,8 +95,8 @@ def test_ngram_greedy_equals_reference_with_preemption_and_aborts(model, workloa
 
 
 def test_adaptive_greedy_equals_reference_with_preemption_and_aborts(model, workload):
-    """The controller decides per step how many drafts each request gets (timings of this
-    machine, so which ones varies); the tokens never do."""
+    """The gate decides per step whether to speculate and the controller how many drafts
+    each request gets (timings of this machine, so which ones varies); the tokens never do."""
     engine = Engine(model, EngineConfig.from_options(
             page_size=16, max_num_batched_tokens=48, max_num_seqs=8, max_model_len=320,
             num_pages=24, bucket_growth=4, enable_prompt_logprobs=False,
@@ -110,6 +110,9 @@ def test_adaptive_greedy_equals_reference_with_preemption_and_aborts(model, work
     assert controller is not None and controller.stats.num_request_steps > 0
     assert controller.stats.num_planned_drafts >= engine.stats().num_draft_tokens
     assert not controller._acceptance and not controller._last_drafted  # all released
+    # The gate explores plain windows first, then speculating ones (by step count, not time).
+    gate = engine.spec_gate.stats
+    assert gate.num_off_steps > 0 and gate.num_on_steps > 0
 
 
 @pytest.mark.slow
