@@ -38,6 +38,13 @@ count per decoding request, and the controller maximises expected output tokens 
   allowance too. So probing costs about that share of the run, and a request whose text
   turned copyable comes back.
 
+The cost model can be wrong in practice (a drafter's catch-up after a stretch without
+drafts, the sampler's cost, a shared machine), so the controller only decides *which*
+requests draft and how much. Whether a step speculates at all is the throughput gate's
+choice (`jaxinfer.engine.spec.gate`): per regime (batch bucket, sampling) it measures whole
+steps' output tokens per second with the controller's grants and with no drafts, and keeps
+speculation on only where it measured more than 3% faster than plain decoding.
+
 Pure Python, no jax: it sees request ids, counts and seconds only.
 """
 
