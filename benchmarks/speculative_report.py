@@ -8,7 +8,10 @@ each method generates the same requests; the table reports the acceptance rate, 
 drafts the speculation controller granted per decoding request and step, tokens per target
 verification step, end-to-end output tokens/s and the speed-up over plain decoding. Every
 measurement is the best of `--repeats` runs (the machine is shared; the best run is the one
-least disturbed). Greedy speculative outputs are checked token-identical to plain ones.
+least disturbed), after `--warmup-runs` untimed runs of the same row per engine (the
+throughput gate learns there whether speculation pays in the row's regime, as a long-running
+server would have; its state carries over from row to row). Greedy speculative outputs are
+checked token-identical to plain ones.
 `--fixed` adds each method with the controller off (R drafts every step), for comparison;
 `--batches`, `--temperatures` and `--workloads` narrow a quick check.
 """
@@ -93,6 +96,8 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, temperature: float
     controller = engine.spec_controller
     plan_before = ((controller.stats.num_request_steps, controller.stats.num_planned_drafts)
                    if controller else (0, 0))
+    gate = engine.spec_gate
+    gate_before = (gate.stats.num_on_steps, gate.stats.num_off_steps) if gate else (0, 0)
     # Only a draft model has a cost of its own to report; prompt lookup is host-side.
     drafter = engine.proposer if isinstance(engine.proposer, DraftModelProposer) else None
     draft_before = (drafter.num_steps, drafter.seconds) if drafter else (0, 0.0)
@@ -119,7 +124,10 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, temperature: float
                                    drafter.seconds - draft_before[1]) if drafter else (0, 0.0))
     planned = ((controller.stats.num_request_steps - plan_before[0],
                 controller.stats.num_planned_drafts - plan_before[1]) if controller else (0, 0))
+    gated = ((gate.stats.num_on_steps - gate_before[0],
+              gate.stats.num_off_steps - gate_before[1]) if gate else (0, 0))
     return {"mean_k": planned[1] / planned[0] if planned[0] else None,
+            "on_share": gated[0] / sum(gated) if sum(gated) else None,
             "ms_per_target_step": 1000 * (elapsed - draft_seconds) / steps,
             "draft_ms_per_target_step": 1000 * draft_seconds / steps,
             "draft_steps": draft_steps, "seconds": elapsed,
@@ -137,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-1-prompts", type=int, default=4,
                         help="requests run one at a time at batch 1")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup-runs", type=int, default=1,
+                        help="untimed runs of each row per engine before the timed ones")
     parser.add_argument("--out", default="benchmarks/results/speculative.md")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
@@ -169,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             chosen = batch_prompts(prompts, batch, args.batch_1_prompts)
             for temperature in args.temperatures:
                 results = {}
+                for _ in range(args.warmup_runs):
+                    for engine in engines.values():
+                        run(engine, chosen, batch, temperature, args.output_len)
                 for _ in range(args.repeats):
                     for name, engine in engines.items():  # interleaved: same load for all
                         result = run(engine, chosen, batch, temperature, args.output_len)
@@ -181,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((workload, batch, temperature, name, result, speed_up))
                     print(workload, batch, temperature, name, f"{result['tok_per_s']:.1f} tok/s",
                           f"x{speed_up:.2f}", f"acc {result['acceptance']:.2f}",
-                          f"mean k {result['mean_k']}", flush=True)
+                          f"mean k {result['mean_k']}", f"on {result['on_share']}",
+                          flush=True)
     compilations = {name: (warmed[name], engine.compilations - warmed[name])
                     for name, engine in engines.items()}
     write_report(args, rows, mismatches, compilations, time.perf_counter() - started)
@@ -202,7 +216,8 @@ def write_report(args: argparse.Namespace, rows: list, mismatches: list, compila
         "",
         f"Command: `PYTHONPATH=. python benchmarks/speculative_report.py "
         f"--output-len {args.output_len} --batch-1-prompts {args.batch_1_prompts} "
-        f"--repeats {args.repeats} --batches {' '.join(map(str, args.batches))} "
+        f"--repeats {args.repeats} --warmup-runs {args.warmup_runs} "
+        f"--batches {' '.join(map(str, args.batches))} "
         f"--temperatures {' '.join(map(str, args.temperatures))} "
         f"--workloads {' '.join(args.workloads)}{' --fixed' if args.fixed else ''}`  ",
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; git {revision}; "
@@ -215,9 +230,15 @@ def write_report(args: argparse.Namespace, rows: list, mismatches: list, compila
         f"{args.output_len} output tokens per request (EOS ignored); batch 1 runs "
         f"{args.batch_1_prompts} requests one after another, batch b > 1 runs b at once (the "
         "8 prompts repeated, seeded by request index); one engine per method, "
-        f"max_num_seqs = {max(args.batches)}, token budget 128. Methods are adaptive (the "
-        "speculation controller grants 0 .. k drafts per request and step; mean k is its "
-        "mean grant per decoding request and step); `fixed` rows draft k every step. "
+        f"max_num_seqs = {max(args.batches)}, token budget 128. Methods are adaptive: the "
+        "throughput gate turns speculation on or off per regime (batch bucket, sampling) "
+        "from measured tokens per second (spec on: its share of the row's decoding steps), "
+        "and while on the speculation controller grants 0 .. k drafts per request and step "
+        "(mean k: its mean grant per decoding request and step it planned); `fixed` rows "
+        "draft k every step. Each row first runs "
+        f"{args.warmup_runs} untimed time(s) per engine, so the gate has measured the row's "
+        "regime before the timed runs (its state carries over between rows and runs, as in "
+        "a long-running server); the timed runs include any re-check windows. "
         "Copy-heavy prompts are a passage twice, then its first sentence again (so the "
         "continuation repeats the passage); open-ended prompts are a few words. "
         "Temperature 0.8 requests are seeded. tok/s is end to end "
@@ -231,16 +252,18 @@ def write_report(args: argparse.Namespace, rows: list, mismatches: list, compila
         "target step) that emitted any, so steps where prompt lookup found no match count "
         "too (the prefill step that emits a request's first token is included).",
         "",
-        "| prompts | batch | temperature | method | mean k | acceptance rate "
+        "| prompts | batch | temperature | method | spec on | mean k | acceptance rate "
         "| mean accepted length | tokens / target step | target steps | ms / target step "
         "| draft ms / target step | output tok/s | speed-up |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for workload, batch, temperature, name, result, speed_up in rows:
         acceptance, accepted_length = ("", "") if name == "plain" else (
             f"{result['acceptance']:.2f}", f"{result['mean_accepted_length']:.2f}")
         mean_k = "" if result["mean_k"] is None else f"{result['mean_k']:.2f}"
-        lines.append(f"| {workload} | {batch} | {temperature} | {name} | {mean_k} | "
+        on_share = "" if result["on_share"] is None else f"{result['on_share']:.0%}"
+        lines.append(f"| {workload} | {batch} | {temperature} | {name} | {on_share} | "
+                     f"{mean_k} | "
                      f"{acceptance} | "
                      f"{accepted_length} | "
                      f"{result['tokens_per_target_step']:.2f} | {result['steps']} | "
