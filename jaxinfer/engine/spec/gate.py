@@ -19,9 +19,12 @@ controller's grants) and off (no proposer call at all).
   counting.
 * Explore, then exploit. A new regime alternates off and on windows (off first) until each
   mode has `MIN_WINDOWS`. Then it runs the better mode, where on counts as better only if
-  its rate beats off's by more than `TIE_MARGIN` (within noise, plain decoding is the safe
-  choice). After `period` windows of the better mode it runs one window of the worse one to
-  re-check it; `period` is at least `gap / explore_fraction` (gap: the better rate over the
+  its rate beats off's by more than `TIE_MARGIN` plus `NOISE_SIGMAS` standard errors of the
+  difference (from the regime's measured window-to-window noise and the effective number of
+  windows behind each rate): within noise, plain decoding is the safe choice. After `period`
+  windows of the better mode it runs one window of the worse one to re-check it (a re-check
+  of on that looks better but not surely runs up to `MIN_WINDOWS` windows); `period` is at
+  least `gap / explore_fraction` (gap: the better rate over the
   worse, less one), so a re-check costs at most `explore_fraction` of the time, never fewer
   than `MIN_RECHECK_WINDOWS`, and doubles with each re-check that confirms the choice (up to
   `MAX_RECHECK_WINDOWS`). The better mode's own rate keeps updating, so a mode that stops
@@ -47,8 +50,16 @@ MIN_WINDOWS = 3
 # Weight of the past in each mode's token and second sums, per window of the regime (either
 # mode), so a mode's history fades with its age and one re-check window mostly replaces it.
 RATE_DECAY = 0.75
-# Speculation must beat plain decoding by more than this fraction to be chosen.
+# Speculation must beat plain decoding by more than this fraction to be chosen...
 TIE_MARGIN = 0.03
+# ... and by more than this many standard errors of the difference on top (the window-to-window
+# noise of a shared machine would otherwise pick speculation for a lucky window or two).
+NOISE_SIGMAS = 1.0
+# The relative window-to-window noise of a rate assumed before any is measured, the weight
+# (in windows) of that assumption, and the weight of the past in the measured noise per window.
+NOISE_PRIOR = 0.05
+NOISE_PRIOR_WINDOWS = 2.0
+NOISE_DECAY = 0.95
 # Bounds on the windows of the better mode between two re-checks of the worse one.
 MIN_RECHECK_WINDOWS = 8
 MAX_RECHECK_WINDOWS = 512
@@ -72,20 +83,40 @@ class _RegimeState:
     window_steps: int = 0
     window_tokens: float = 0.0
     window_seconds: float = 0.0
-    # Per mode, decayed [tokens, seconds] over its windows, and its window count.
+    # Per mode, decayed [tokens, seconds, window weight, squared window weight] over its
+    # windows, and its window count.
     sums: dict[bool, list[float]] = dataclasses.field(
-        default_factory=lambda: {False: [0.0, 0.0], True: [0.0, 0.0]})
+        default_factory=lambda: {False: [0.0, 0.0, 0.0, 0.0], True: [0.0, 0.0, 0.0, 0.0]})
+    # Decayed sum of squared relative deviations of window rates from their mode's rate, and
+    # its weight: the regime's window-to-window noise.
+    noise: list[float] = dataclasses.field(
+        default_factory=lambda: [NOISE_PRIOR ** 2 * NOISE_PRIOR_WINDOWS, NOISE_PRIOR_WINDOWS])
     windows: dict[bool, int] = dataclasses.field(
         default_factory=lambda: {False: 0, True: 0})
     best: bool | None = None  # None while exploring
     since_check: int = 0  # windows of the best mode since the last re-check or switch
     confirmations: int = 0  # consecutive re-checks that kept the choice
-    rechecking: bool = False  # the current window re-checks the worse mode
+    rechecking: int = 0  # windows the current re-check of the worse mode has run
 
     def rate(self, mode: bool) -> float | None:
         """The mode's measured tokens per second (None before a window with time in it)."""
-        tokens, seconds = self.sums[mode]
+        tokens, seconds = self.sums[mode][:2]
         return tokens / seconds if seconds > 0 else None
+
+    def windows_worth(self, mode: bool) -> float:
+        """The effective number of windows behind the mode's rate (decayed weights)."""
+        weight, squared = self.sums[mode][2:]
+        return weight * weight / squared if squared > 0 else 0.0
+
+    def speculation_wins(self) -> bool:
+        """Whether on beats off by the tie margin plus `NOISE_SIGMAS` standard errors."""
+        on, off = self.rate(True), self.rate(False)
+        if on is None or off is None:
+            return False
+        noise = math.sqrt(self.noise[0] / self.noise[1])  # relative, per window
+        error = noise * math.sqrt(on * on / self.windows_worth(True)
+                                  + off * off / self.windows_worth(False))
+        return on - (1.0 + TIE_MARGIN) * off > NOISE_SIGMAS * error
 
 
 @dataclasses.dataclass
@@ -175,30 +206,46 @@ class ThroughputGate:
     def _close_window(self, state: _RegimeState) -> None:
         """Folds the finished window into its mode's sums and picks the next window's mode."""
         mode = state.mode
+        window_rate = state.window_tokens / state.window_seconds
+        before = state.rate(mode)
+        if before is not None and state.windows_worth(mode) >= 1.0:
+            deviation = (window_rate - before) / before
+            state.noise = [NOISE_DECAY * state.noise[0] + deviation * deviation,
+                           NOISE_DECAY * state.noise[1] + 1.0]
         for sums in state.sums.values():  # by age: a re-check outweighs a stale history
             sums[0] *= RATE_DECAY
             sums[1] *= RATE_DECAY
-        state.sums[mode][0] += state.window_tokens
-        state.sums[mode][1] += state.window_seconds
+            sums[2] *= RATE_DECAY
+            sums[3] *= RATE_DECAY * RATE_DECAY
+        sums = state.sums[mode]
+        sums[0] += state.window_tokens
+        sums[1] += state.window_seconds
+        sums[2] += 1.0
+        sums[3] += 1.0
         state.windows[mode] += 1
         state.window_steps, state.window_tokens, state.window_seconds = 0, 0.0, 0.0
         on, off = state.rate(True), state.rate(False)
         if min(state.windows.values()) < MIN_WINDOWS or on is None or off is None:
             state.mode = not mode  # exploring: alternate
             return
-        best = on > (1.0 + TIE_MARGIN) * off
+        best = state.speculation_wins()
+        if (state.rechecking and mode and not best and on > (1.0 + TIE_MARGIN) * off
+                and state.rechecking < MIN_WINDOWS):
+            state.rechecking += 1  # on looks better, not yet surely: re-check it once more
+            self.stats.num_rechecks += 1
+            return
         if state.rechecking or best != state.best:
             if state.best is not None and best != state.best:
                 self.stats.num_switches += 1
             state.confirmations = (state.confirmations + 1
                                    if state.rechecking and best == state.best else 0)
             state.since_check = 0
-            state.rechecking = False
+            state.rechecking = 0
         else:
             state.since_check += 1
         state.best = best
         if state.since_check >= self.recheck_period(on, off, state.confirmations):
-            state.mode, state.rechecking = not best, True
+            state.mode, state.rechecking = not best, 1
             self.stats.num_rechecks += 1
         else:
             state.mode = best

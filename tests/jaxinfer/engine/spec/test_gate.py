@@ -5,6 +5,8 @@ stops paying is dropped within a few windows."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from jaxinfer.engine.spec.gate import (
@@ -124,3 +126,44 @@ def test_recheck_period_grows_with_the_gap_and_with_confirmations():
     assert gate.recheck_period(50.0, 100.0, 1) == 100
     assert gate.recheck_period(50.0, 100.0, 10) == 512  # the cap
     assert ThroughputGate(explore_fraction=0.0).recheck_period(50.0, 100.0, 0) == 512
+
+
+def _simulate_noisy(gate: ThroughputGate, regime, steps: int, on_rate: float,
+                    noise: float, seed: int) -> tuple[float, float]:
+    """Like `_simulate`, each window's steps slowed or sped up together by up to `noise`
+    (a shared machine's load changes over windows, not per token). Returns (seconds, the
+    seconds the same tokens would take without speculation)."""
+    rng = random.Random(seed)
+    seconds = plain_seconds = 0.0
+    for step in range(steps):
+        if step % WINDOW_STEPS == 0:
+            load = 1.0 + rng.uniform(-noise, noise)
+        on = gate.speculate(regime)
+        count = 2 if on else 1
+        step_seconds = load * count / (on_rate if on else 100.0)
+        gate.observe(regime, on, count, step_seconds)
+        seconds += step_seconds
+        plain_seconds += load * count / 100.0
+    return seconds, plain_seconds
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_alone_does_not_turn_speculation_on(seed):
+    # Equal rates, +-20% window-to-window load: speculation must not win by luck for long.
+    gate = ThroughputGate()
+    seconds, plain_seconds = _simulate_noisy(gate, BATCH_1, 400 * WINDOW_STEPS, 100.0,
+                                             noise=0.2, seed=seed)
+    assert gate.stats.on_fraction < 0.15
+    # And where speculation is 10% slower, the noise costs at most a few percent.
+    gate = ThroughputGate()
+    seconds, plain_seconds = _simulate_noisy(gate, BATCH_1, 400 * WINDOW_STEPS, 90.0,
+                                             noise=0.2, seed=seed)
+    assert seconds / plain_seconds - 1 < 0.02
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_clearly_faster_speculation_wins_through_noise(seed):
+    gate = ThroughputGate()
+    _simulate_noisy(gate, BATCH_1, 200 * WINDOW_STEPS, 150.0, noise=0.2, seed=seed)
+    assert gate.choice(BATCH_1) is True
+    assert gate.stats.on_fraction > 0.8
