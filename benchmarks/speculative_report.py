@@ -8,9 +8,10 @@ each method generates the same requests; the table reports the acceptance rate, 
 drafts the speculation controller granted per decoding request and step, tokens per target
 verification step, end-to-end output tokens/s and the speed-up over plain decoding. Every
 measurement is the best of `--repeats` runs (the machine is shared; the best run is the one
-least disturbed), after `--warmup-runs` untimed runs of the same row per engine (the
-throughput gate learns there whether speculation pays in the row's regime, as a long-running
-server would have; its state carries over from row to row). Greedy speculative outputs are
+least disturbed), and the speed-up the median of the rounds' paired ratios to plain, after
+`--warmup-runs` untimed runs of the same row per engine (the throughput gate learns there
+whether speculation pays in the row's regime, as a long-running server would have; its state
+carries over from row to row). Greedy speculative outputs are
 checked token-identical to plain ones.
 `--fixed` adds each method with the controller off (R drafts every step), for comparison;
 `--batches`, `--temperatures` and `--workloads` narrow a quick check.
@@ -22,6 +23,7 @@ import argparse
 import datetime
 import math
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -178,19 +180,26 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             chosen = batch_prompts(prompts, batch, args.batch_1_prompts)
             for temperature in args.temperatures:
-                results = {}
+                results, ratios = {}, {name: [] for name in engines}
                 for _ in range(args.warmup_runs):
                     for engine in engines.values():
                         run(engine, chosen, batch, temperature, args.output_len)
                 for _ in range(args.repeats):
-                    for name, engine in engines.items():  # interleaved: same load for all
+                    # Interleaved, plain first: each round's methods run back to back under
+                    # the same load, and the speed-up is the median of the rounds' ratios.
+                    round_results = {}
+                    for name, engine in engines.items():
                         result = run(engine, chosen, batch, temperature, args.output_len)
+                        round_results[name] = result
                         if name not in results or result["seconds"] < results[name]["seconds"]:
                             results[name] = result
+                    for name, result in round_results.items():
+                        ratios[name].append(result["tok_per_s"]
+                                            / round_results["plain"]["tok_per_s"])
                 for name, result in results.items():
                     if temperature == 0.0 and result["tokens"] != results["plain"]["tokens"]:
                         mismatches.append((workload, batch, name))
-                    speed_up = result["tok_per_s"] / results["plain"]["tok_per_s"]
+                    speed_up = statistics.median(ratios[name])
                     rows.append((workload, batch, temperature, name, result, speed_up))
                     print(workload, batch, temperature, name, f"{result['tok_per_s']:.1f} tok/s",
                           f"x{speed_up:.2f}", f"acc {result['acceptance']:.2f}",
@@ -243,7 +252,10 @@ def write_report(args: argparse.Namespace, rows: list, mismatches: list, compila
         "continuation repeats the passage); open-ended prompts are a few words. "
         "Temperature 0.8 requests are seeded. tok/s is end to end "
         "(prefill included, the same work for every method), best of "
-        f"{args.repeats} interleaved runs. ms / target step is the wall time outside the "
+        f"{args.repeats} interleaved runs; the speed-up is the median over the {args.repeats} "
+        "rounds of each round's ratio to plain decoding (a round runs plain and every method "
+        "back to back, so the ratio compares runs made under the same load). ms / target "
+        "step is the wall time outside the "
         "drafter per target step (scheduling, the step, verification); draft ms / target step "
         "is the drafter's (per target step: a catch-up step, then one jitted loop of the k - 1 "
         "further draws). Acceptance "
