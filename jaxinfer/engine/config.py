@@ -218,6 +218,14 @@ class SpeculativeConfig:
         min_ngram: Shortest suffix it tries before giving up (no drafts that step).
         model: The drafter for "draft_model" (anything `load_model` takes, e.g.
             "builtin:demo-draft"); it must share the target's tokenizer.
+        adaptive: Speculate only in the regimes (batch size, sampling) where speculation
+            has measured faster than plain decoding (`jaxinfer.engine.spec.gate`), and there
+            choose each step how many drafts (0 .. num_tokens) each request gets, from its
+            measured acceptance and the measured cost of the step
+            (`jaxinfer.engine.spec.controller`); False always drafts num_tokens.
+        probe_fraction: With `adaptive`, the share of time spent re-measuring what was turned
+            off: the gate's re-checks of the mode it did not choose, and the controller's
+            probes (a draft for a request it turned off, to measure its acceptance again).
     """
 
     method: str
@@ -225,6 +233,8 @@ class SpeculativeConfig:
     max_ngram: int = 3
     min_ngram: int = 1
     model: str | None = None
+    adaptive: bool = True
+    probe_fraction: float = 0.02
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -237,6 +247,13 @@ class SpeculativeConfig:
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"speculative min_ngram = {self.min_ngram} exceeds max_ngram = "
                              f"{self.max_ngram}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative adaptive = {self.adaptive!r}: must be a bool")
+        if (isinstance(self.probe_fraction, bool)
+                or not isinstance(self.probe_fraction, int | float)
+                or not 0.0 <= self.probe_fraction < 1.0):
+            raise ValueError(f"speculative probe_fraction = {self.probe_fraction!r}: must be "
+                             "a number in [0, 1)")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative 'model' is required for method 'draft_model' and "
                              f"only allowed there; got method {self.method!r}, model "

@@ -30,6 +30,16 @@ speculating request samples exactly from the target's distribution and repeats i
 the same way, but its draws depend on which drafts were verified, so (unlike a plain seeded
 request) its tokens can change when a crowded batch's token budget trims its drafts.
 
+With `adaptive` speculation (the default), a `ThroughputGate` first decides whether the step
+speculates at all, per regime (batch bucket, whether any request samples), from the measured
+output tokens per second of whole decode-only steps with speculation on and off
+(`jaxinfer.engine.spec.gate`); off, the proposer is not called. On, a `SpecController`
+decides how many drafts (0 .. R) each decoding request gets, from the request's measured
+acceptance and the measured cost of the step's token bucket and of the drafter
+(`jaxinfer.engine.spec.controller`); only requests granted drafts are proposed for, and
+their drafts are cut to the grant. The engine feeds them every verification's outcome and
+every step's wall times, and `warm_up` times each token bucket once to start the cost model.
+
 A request with `n > 1` becomes n scheduler requests ("ID#0", "ID#1", ...). With prefix caching
 on, the first one runs alone until its prompt is computed, and the others are admitted after
 it, so they find every full prompt block in the prefix cache and share those pages (reference
@@ -38,6 +48,7 @@ counted) instead of computing and storing the prompt n times.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from jax.sharding import Mesh
@@ -46,6 +57,7 @@ from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.engine.client import EngineStats
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig
+from jaxinfer.engine.device.step_io import STEP
 from jaxinfer.engine.errors import RequestError
 from jaxinfer.engine.host.draft import Draft, SpecStats
 from jaxinfer.engine.host.request import Request
@@ -53,7 +65,9 @@ from jaxinfer.engine.host.scheduler import Scheduler
 from jaxinfer.engine.input_processor import InputProcessor, ProcessedRequest, Prompt
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from jaxinfer.engine.spec.controller import SpecController
+from jaxinfer.engine.spec.gate import Regime, ThroughputGate, regime_of
 from jaxinfer.engine.spec.proposer import Proposer, build_proposer
 from jaxinfer.models import Transformer
 from jaxinfer.multihost import StepChannel
@@ -83,6 +97,19 @@ def _is_decoding(request: Request) -> bool:
     min_tokens no longer holds stop tokens back (it would change per draft position)."""
     return (request.num_computed_tokens == request.num_tokens - 1
             and request.num_output_tokens >= request.sampling_params.min_tokens)
+
+
+def _samples(params: SamplingParams | None) -> bool:
+    """Whether a request samples (temperature > 0) rather than taking the argmax."""
+    return params is not None and params.temperature >= GREEDY_TEMPERATURE_EPS
+
+
+def _cut(draft: Draft, num_tokens: int) -> Draft:
+    """The draft's first `num_tokens` tokens (and distributions)."""
+    if len(draft.token_ids) <= num_tokens:
+        return draft
+    return Draft(draft.token_ids[:num_tokens],
+                 None if draft.probs is None else draft.probs[:num_tokens])  # [k, V]
 
 
 class Engine:
@@ -142,6 +169,16 @@ class Engine:
             raise ValueError("a proposer needs speculative options (num_tokens at least)")
         self.proposer: Proposer | None = proposer if proposer is not None else build_proposer(
             self.speculative, model, self.runner.config, draft_model=draft_model)
+        speculative = self.speculative
+        self.spec_controller: SpecController | None = (
+            SpecController(speculative.num_tokens, self.runner.config.token_buckets,
+                           self.runner.config.sequence_buckets, speculative.probe_fraction)
+            if speculative is not None and speculative.adaptive else None)
+        # Above the controller: whether a step speculates at all, from measured throughput.
+        self.spec_gate: ThroughputGate | None = (
+            ThroughputGate(speculative.probe_fraction)
+            if self.spec_controller is not None else None)
+        self._gated: tuple[Regime, bool] | None = None  # this step's regime and gate choice
         self.input_processor = InputProcessor(model.config, config, tokenizer,
                                               speculative=self.speculative is not None)
         self.output_processor = OutputProcessor(tokenizer)
@@ -157,11 +194,19 @@ class Engine:
         return [self.runner]
 
     def warm_up(self) -> float:
-        """Compiles every bucket of the device step (and the proposer's); returns seconds."""
-        seconds = self.runner.warm_up()
+        """Compiles every bucket of the device step (and the proposer's), and with adaptive
+        speculation times each bucket once for the controller's cost model; returns seconds."""
+        started = time.perf_counter()
+        self.runner.warm_up()
         if self.proposer is not None:
-            seconds += self.proposer.warm_up()
-        return seconds
+            self.proposer.warm_up()
+        if self.spec_controller is not None:
+            self.spec_controller.bootstrap(self.runner.time_steps())
+            # A proposer with device work may time it too (the draft model does).
+            time_drafts = getattr(self.proposer, "time_drafts", None)
+            if time_drafts is not None:
+                self.spec_controller.draft_costs.bootstrap(time_drafts())
+        return time.perf_counter() - started
 
     @property
     def compilations(self) -> int:
@@ -243,6 +288,8 @@ class Engine:
             self.scheduler.abort_request(sample_id)
         if self.proposer is not None:
             self.proposer.release(sample_ids)
+        if self.spec_controller is not None:
+            self.spec_controller.release(sample_ids)
         return output
 
     def has_unfinished_requests(self) -> bool:
@@ -264,6 +311,7 @@ class Engine:
             `output_kind` (cumulative, delta, or final only).
         """
         started = time.perf_counter()
+        self._gated = None
         drafts = self._propose_drafts()
         proposed = time.perf_counter()
         scheduled = self.scheduler.schedule(drafts)
@@ -278,31 +326,97 @@ class Engine:
                       for sample_id, sampled in result.sampled.items()}
         new_tokens.update(result.speculated)
         updates = self.scheduler.update_from_output(scheduled, new_tokens)
+        controller = self.spec_controller
         for update in updates:
             self.spec_stats.add(update.num_draft_tokens, update.num_accepted_tokens)
+            if controller is not None:
+                controller.observe_verification(update.request_id, update.num_draft_tokens,
+                                                update.num_accepted_tokens)
         outputs, stopped, finished = self.output_processor.process(
             updates, result.sampled, result.prompt_logprobs)
         for sample_id in stopped:
             self.scheduler.abort_request(sample_id)  # a stop string matched
         if self.proposer is not None and finished:
             self.proposer.release(finished)
+        if controller is not None and finished:
+            controller.release(finished)
         for update in updates:
             # Sample 0 has its first token, so its prompt blocks are cached: admit the rest.
             for sample in self._deferred.pop(update.request_id, ()):
                 self.scheduler.add_request(sample)
+        finished_at = time.perf_counter()
         self.seconds["propose"] += proposed - started
         self.seconds["schedule"] += executing - proposed
         self.seconds["execute"] += executed - executing
-        self.seconds["outputs"] += time.perf_counter() - executed
+        self.seconds["outputs"] += finished_at - executed
+        if controller is not None and self.runner.step_kind(scheduled.scheduled_requests) == STEP:
+            controller.observe_step(
+                scheduled.num_scheduled_tokens,
+                any(request.spec_token_ids for request in scheduled.scheduled_requests),
+                executed - executing, (executing - proposed) + (finished_at - executed),
+                sampled=any(_samples(request.sampling_params)
+                            for request in scheduled.scheduled_requests))
+        if self._gated is not None and all(
+                request.needs_sample and len(request.token_ids) == 1 + len(request.spec_token_ids)
+                for request in scheduled.scheduled_requests):
+            # A decode-only step: its output tokens per whole-step second measure the mode.
+            regime, speculated = self._gated
+            self.spec_gate.observe(regime, speculated,
+                                   sum(len(update.new_token_ids) for update in updates),
+                                   finished_at - started)
         return outputs
 
     def _propose_drafts(self) -> dict[str, Draft] | None:
-        """The proposer's drafts for the speculating, decoding requests' coming step."""
+        """The proposer's drafts for the speculating, decoding requests' coming step (with
+        adaptive speculation: none when the throughput gate keeps the step plain, else for
+        the requests the controller grants drafts, cut to the grant)."""
         if self.proposer is None:
             return None
         decoding = [request for request in self.scheduler.running
                     if request.speculate and _is_decoding(request)]
-        return self.proposer.propose(decoding) if decoding else {}
+        if not decoding:
+            return {}
+        if self.spec_controller is None:
+            return self.proposer.propose(decoding)
+        running = self.scheduler.running
+        regime = regime_of(sum(1 for request in running
+                               if request.num_computed_tokens == request.num_tokens - 1),
+                           any(_samples(request.sampling_params) for request in running))
+        speculate = self.spec_gate.speculate(regime)
+        self._gated = regime, speculate
+        if not speculate:
+            return {}  # plain decoding this step: the proposer is not called at all
+        grants = self._plan_drafts(decoding)
+        chosen = [request for request in decoding if request.request_id in grants]
+        if not chosen:
+            return {}
+        started = time.perf_counter()
+        drafts = self.proposer.propose(chosen, num_tokens=grants)
+        self.spec_controller.observe_drafts(len(chosen), max(grants.values()),
+                                            time.perf_counter() - started)
+        return {request_id: _cut(draft, grants[request_id])
+                for request_id, draft in drafts.items()}
+
+    def _plan_drafts(self, decoding: list[Request]) -> dict[str, int]:
+        """The controller's draft grant per decoding request, from the step's shape: the
+        running requests' own tokens, the prompts waiting for a free seat, the budget."""
+        config = self.config.scheduler
+        running = self.scheduler.running
+        own = sum(request.num_tokens - request.num_computed_tokens for request in running)
+        seats = max(config.max_num_seqs - len(running), 0)
+        waiting = sum(request.num_tokens - request.num_computed_tokens
+                      for request in itertools.islice(self.scheduler.waiting, seats))
+        limit = self.speculative.num_tokens
+        room = {request.request_id: min(limit,
+                                        request.max_tokens - request.num_output_tokens - 1,
+                                        config.max_model_len - request.num_tokens - 1)
+                for request in decoding}
+        return self.spec_controller.plan(
+            room, num_tokens=own + waiting,
+            num_emitting=sum(1 for request in running
+                             if request.num_computed_tokens == request.num_tokens - 1),
+            max_drafts=config.max_num_batched_tokens - min(own, config.max_num_batched_tokens),
+            sampled=any(_samples(request.sampling_params) for request in running))
 
     # ------------------------------------------------------------------ metrics
 

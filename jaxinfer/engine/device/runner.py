@@ -702,6 +702,34 @@ class ModelRunner:
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
 
+    def time_steps(self, repeats: int = 3) -> dict[tuple[int, bool], float]:
+        """Times the compiled plain step of every token bucket on padding (it writes
+        nothing), packing included, the fastest of `repeats` runs; with drafts enabled, also
+        each bucket with its verification running (one padding row claims a draft).
+
+        Call after `warm_up`; it compiles nothing. A multi-host leader's followers run the
+        same steps.
+
+        Returns:
+            Seconds per (token bucket, verifies drafts), a cost model's starting point.
+        """
+        timings = {}
+        variants = (False, True) if self.config.num_speculative_tokens else (False,)
+        for num_tokens in self.config.token_buckets:
+            for verifies in variants:
+                best = float("inf")
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    inputs = self._pack([], num_tokens)
+                    if verifies:
+                        claimed = np.zeros_like(inputs.num_draft_tokens)  # [Q]
+                        claimed[0] = 1
+                        inputs = inputs._replace(num_draft_tokens=claimed)
+                    jax.device_get(self._launch(STEP, inputs))
+                    best = min(best, time.perf_counter() - started)
+                timings[(num_tokens, verifies)] = best
+        return timings
+
     @property
     def compilations(self) -> int:
         """Step programs compiled so far (constant after `warm_up`, unless a request asks

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +149,28 @@ class DraftModelProposer:
                 self._run_decode([], num_seqs)
         return time.perf_counter() - started
 
+    def time_drafts(self, repeats: int = 3) -> dict[tuple[int, bool], float]:
+        """Seconds of one proposal on padding, per (sequence bucket, whether the decode loop
+        runs): the drafter step of the smallest token bucket holding one token per sequence,
+        plus the loop; the fastest of `repeats`. Call after `warm_up` (compiles nothing).
+
+        Returns:
+            A starting point for `jaxinfer.engine.spec.controller.DraftCosts`.
+        """
+        steps = self.runner.time_steps(repeats)  # (token bucket, False) -> seconds
+        timings = {}
+        for num_seqs in self.config.sequence_buckets:
+            step = steps[(self.runner.token_bucket(num_seqs), False)]
+            timings[(num_seqs, False)] = step
+            if self.num_tokens > 1:
+                best = float("inf")
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    self._run_decode([], num_seqs)
+                    best = min(best, time.perf_counter() - started)
+                timings[(num_seqs, True)] = step + best
+        return timings
+
     def release(self, request_ids: Iterable[str]) -> None:
         """Frees the drafter pages of requests that finished or were aborted."""
         for request_id in request_ids:
@@ -156,22 +178,26 @@ class DraftModelProposer:
             if sequence is not None:
                 self.kv_cache_manager.free(sequence)
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+    def propose(self, requests: Sequence[Request],
+                num_tokens: Mapping[str, int] | None = None) -> dict[str, Draft]:
         """Drafts, with their `[R, V]` distributions, for the (decoding) requests.
 
-        A request gets fewer than R drafts near its `max_tokens` or `max_model_len`, and none
-        when the drafter's pool has no room for it this step.
+        A request gets at most `num_tokens[id]` drafts (default R; when no request gets more
+        than one, the decode loop does not run), fewer near its `max_tokens` or
+        `max_model_len`, and none when the drafter's pool has no room for it this step.
         """
         started = time.perf_counter()
-        drafts = self._propose(requests)
+        drafts = self._propose(requests, num_tokens or {})
         self.seconds += time.perf_counter() - started
         return drafts
 
-    def _propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+    def _propose(self, requests: Sequence[Request],
+                 limits: Mapping[str, int]) -> dict[str, Draft]:
         wanted: dict[str, int] = {}
         work: list[tuple[DraftSequence, list[int]]] = []
         for request in requests:
-            count = min(self.num_tokens, request.max_tokens - request.num_output_tokens - 1,
+            count = min(self.num_tokens, limits.get(request.request_id, self.num_tokens),
+                        request.max_tokens - request.num_output_tokens - 1,
                         self.config.max_model_len - request.num_tokens - 1)
             if count < 1:
                 continue

@@ -13,7 +13,7 @@ copies, code edits). The drafts are verified as a point-mass drafter, so samplin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -64,13 +64,16 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+    def propose(self, requests: Sequence[Request],
+                num_tokens: Mapping[str, int] | None = None) -> dict[str, Draft]:
         """The tokens that followed the latest earlier match of each request's suffix (no
-        entry for a request without a match)."""
+        entry for a request without a match), at most `num_tokens[id]` (default R) each."""
         config = self.config
         drafts = {}
         for request in requests:
-            tokens = propose_ngram(request.all_token_ids, config.num_tokens, config.max_ngram,
+            limit = config.num_tokens if num_tokens is None else min(
+                config.num_tokens, num_tokens.get(request.request_id, config.num_tokens))
+            tokens = propose_ngram(request.all_token_ids, limit, config.max_ngram,
                                    config.min_ngram)
             if tokens:
                 drafts[request.request_id] = Draft(tokens)

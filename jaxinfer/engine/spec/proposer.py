@@ -10,7 +10,7 @@ model with its own paged cache); tests plug in their own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from jaxinfer.engine.config import SpeculativeConfig
@@ -28,11 +28,14 @@ __all__ = ["Draft", "Proposer", "build_proposer"]
 class Proposer(Protocol):
     """Drafts tokens for decoding requests, one step at a time."""
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+    def propose(self, requests: Sequence[Request],
+                num_tokens: Mapping[str, int] | None = None) -> dict[str, Draft]:
         """Drafts for the coming step.
 
         Args:
             requests: Running, decoding, speculating requests (read only).
+            num_tokens: The most drafts per request id (the speculation controller's grant,
+                at most R); None: R for every request. The engine cuts longer drafts.
 
         Returns:
             A draft per request id it proposes for (at most `num_speculative_tokens` tokens,

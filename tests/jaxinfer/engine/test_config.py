@@ -31,7 +31,8 @@ CHANGED = dict(page_size=8, num_pages=100, enable_prefix_caching=False, cache_dt
                expert_parallel_size=1, min_token_bucket=4, bucket_growth=4,
                enable_prompt_logprobs=False, compilation_cache="off",
                speculative={"method": "ngram", "num_tokens": 3, "max_ngram": 4,
-                            "min_ngram": 2, "model": None})
+                            "min_ngram": 2, "model": None, "adaptive": False,
+                            "probe_fraction": 0.05})
 
 
 def test_from_options_round_trips_through_options():
@@ -41,7 +42,8 @@ def test_from_options_round_trips_through_options():
     assert config.cache.page_size == 8 and config.scheduler.max_num_seqs == 4
     assert config.parallel.data_parallel_size == 3 and config.compile.bucket_growth == 4
     assert config.speculative == SpeculativeConfig(method="ngram", num_tokens=3, max_ngram=4,
-                                                   min_ngram=2)
+                                                   min_ngram=2, adaptive=False,
+                                                   probe_fraction=0.05)
     default = EngineConfig()
     assert EngineConfig.from_options(**default.options()) == default
     assert EngineConfig.from_options() == default
@@ -208,7 +210,7 @@ def test_every_flag_sets_its_option():
             "--min-token-bucket", "4", "--bucket-growth", "4", "--no-enable-prompt-logprobs",
             "--compilation-cache", "off",
             "--speculative", '{"method": "ngram", "num_tokens": 3, "max_ngram": 4, '
-                             '"min_ngram": 2}']
+                             '"min_ngram": 2, "adaptive": false, "probe_fraction": 0.05}']
     assert _config(argv).options() == CHANGED
 
 

@@ -1,6 +1,7 @@
 """Speculative decoding in the engine: greedy output token-identical to reference generation
-for 64 mixed speculating and plain requests (preemption forced, prefix caching on), no leaked
-pages after aborts, rollback by length, no compilation after warm-up."""
+for 64 mixed speculating and plain requests (preemption forced, prefix caching on), with R
+drafts every step and with the adaptive controller choosing them, no leaked pages after aborts,
+rollback by length, no compilation after warm-up."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from jaxinfer.generate import generate
 from jaxinfer.models import create_model
 
 NEW_TOKENS = 10
-NGRAM = {"method": "ngram", "num_tokens": 3, "max_ngram": 3}
+NGRAM = {"method": "ngram", "num_tokens": 3, "max_ngram": 3, "adaptive": False}
+ADAPTIVE = {**NGRAM, "adaptive": True}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def _run(engine, prompts, arrivals, abort=()):
 
 def _check(engine, workload, aborted=None):
     """Runs the workload; every request equals the reference (an aborted one, its prefix),
-    and no page is left held."""
+    no page is left held, and drafts were verified (some, not all, accepted)."""
     prompts, expected, arrivals = workload
     aborted = aborted or {}
     got = _run(engine, prompts, arrivals, abort=aborted.items())
@@ -90,6 +92,27 @@ def test_ngram_greedy_equals_reference_with_preemption_and_aborts(model, workloa
     _check(engine, workload, aborted={"1": 2, "9": 20, "13": 30, "63": 60})
     assert engine.num_preemptions > 0
     assert engine.prefix_cache_hit_rate > 0
+
+
+def test_adaptive_greedy_equals_reference_with_preemption_and_aborts(model, workload):
+    """The gate decides per step whether to speculate and the controller how many drafts
+    each request gets (timings of this machine, so which ones varies); the tokens never do."""
+    engine = Engine(model, EngineConfig.from_options(
+            page_size=16, max_num_batched_tokens=48, max_num_seqs=8, max_model_len=320,
+            num_pages=24, bucket_growth=4, enable_prompt_logprobs=False,
+            speculative=ADAPTIVE))
+    engine.warm_up()
+    compiled = engine.compilations
+    _check(engine, workload, aborted={"1": 2, "9": 20, "13": 30, "63": 60})
+    assert engine.num_preemptions > 0
+    assert engine.compilations == compiled
+    controller = engine.spec_controller
+    assert controller is not None and controller.stats.num_request_steps > 0
+    assert controller.stats.num_planned_drafts >= engine.stats().num_draft_tokens
+    assert not controller._acceptance and not controller._last_drafted  # all released
+    # The gate explores plain windows first, then speculating ones (by step count, not time).
+    gate = engine.spec_gate.stats
+    assert gate.num_off_steps > 0 and gate.num_on_steps > 0
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ distributed as without speculation."""
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 
 import jax
@@ -24,7 +25,8 @@ from jaxinfer.model_loading import load_model
 from jaxinfer.models import create_model
 
 NEW_TOKENS = 10
-DRAFT = {"method": "draft_model", "model": "tiny-noisy-copy", "num_tokens": 3}
+DRAFT = {"method": "draft_model", "model": "tiny-noisy-copy", "num_tokens": 3,
+         "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +57,24 @@ def workload(model):
     return prompts, expected, arrivals
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["fixed", "gate-flipping"])
 def test_draft_model_greedy_equals_reference_with_preemption_and_aborts(model, drafter,
-                                                                        workload):
+                                                                        workload, gated):
+    """gated: adaptive, with the throughput gate turning speculation on and off every few
+    steps (and the controller granting every request all it has room for while on), so the
+    drafter keeps catching up on the tokens of its off stretches."""
     prompts, expected, arrivals = workload
     engine = Engine(model, EngineConfig.from_options(
             page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
-                                        max_model_len=256, num_pages=24, speculative=DRAFT,
+                                        max_model_len=256, num_pages=24,
+                                        speculative={**DRAFT, "adaptive": gated},
                                         enable_prompt_logprobs=False, bucket_growth=4),
                     draft_model=drafter)
+    if gated:
+        calls = itertools.count()
+        engine.spec_gate.speculate = lambda regime: next(calls) % 6 >= 3
+        engine.spec_controller.plan = lambda room, **_: {
+            request_id: count for request_id, count in room.items() if count > 0}
     aborted = {"2": 2, "9": 20, "13": 30, "63": 60}
     outputs = {str(i): [] for i in range(len(prompts))}
     pending, step = list(range(len(prompts))), 0

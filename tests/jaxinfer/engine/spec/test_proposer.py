@@ -5,7 +5,7 @@ accepted and one that proposes garbage never is, and the counters say so."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import pytest
 
@@ -22,7 +22,8 @@ from jaxinfer.models import create_model
 
 NUM_DRAFTS = 3
 NEW_TOKENS = 12
-SPECULATIVE = {"method": "ngram", "num_tokens": NUM_DRAFTS}  # sizes only: the fake drafts
+# Sizes only (the fake drafts); fixed R, so every request drafts every step.
+SPECULATIVE = {"method": "ngram", "num_tokens": NUM_DRAFTS, "adaptive": False}
 
 
 class _ReferenceProposer:
@@ -36,7 +37,8 @@ class _ReferenceProposer:
         self.proposed_for: set[str] = set()
         self.released: list[str] = []
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
+    def propose(self, requests: Sequence[Request],
+                num_tokens: Mapping[str, int] | None = None) -> dict[str, Draft]:
         drafts = {}
         for request in requests:
             known = request.num_tokens
