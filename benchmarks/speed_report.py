@@ -155,7 +155,11 @@ def main() -> None:
 
     # 7. The real model, if converted.
     if (args.real_model / "config.json").exists():
-        report["real_model"] = _real_model(args.real_model, skip_vllm=args.skip_vllm)
+        try:
+            report["real_model"] = _real_model(args.real_model, skip_vllm=args.skip_vllm)
+        except Exception as error:  # any failure here: keep the rest of the report
+            report["real_model_error"] = repr(error)[-2000:]
+            print("real model section failed:", report["real_model_error"], file=sys.stderr)
     report["seconds"] = time.perf_counter() - started
 
     if args.json:
@@ -266,6 +270,8 @@ def markdown(report: dict, table: str) -> str:
                      f"{real['torch_f32_matmul_flops'] / 1e9:.0f}, XLA bf16 "
                      f"{peaks['bfloat16']['matmul_flops'] / 1e9:.0f}, XLA f32 "
                      f"{peaks['float32']['matmul_flops'] / 1e9:.0f}")
+    if "real_model_error" in report:
+        lines += ["", f"Real model section failed: `{report['real_model_error'][:300]}`"]
     lines += ["", f"(whole report: {report['seconds'] / 60:.1f} min)"]
     return textwrap.dedent("\n".join(lines))
 

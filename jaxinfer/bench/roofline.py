@@ -189,7 +189,11 @@ def profile_engine(engine: Engine, *, context: int = 256, decode_steps: int = 8,
     max_seqs = engine.config.scheduler.max_num_seqs
     context = min(context, engine.config.max_model_len - decode_steps - 2)
     rng = np.random.default_rng(0)
-    greedy = SamplingParams(temperature=0.0, max_tokens=decode_steps + 2, ignore_eos=True)
+    # Requests whose prompts are computed first decode while the later ones are prefilled
+    # (continuous batching), so a request may not finish before the timed steps: with only
+    # decode_steps + 2 tokens, the first ones did, and "decode@64" timed ~30 sequences.
+    greedy = SamplingParams(temperature=0.0, max_tokens=engine.config.max_model_len - context,
+                            ignore_eos=True)
     profiles = []
 
     def prompt(length: int) -> list[int]:
@@ -223,9 +227,18 @@ def profile_engine(engine: Engine, *, context: int = 256, decode_steps: int = 8,
                   for request in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         engine.step()
+        # Every sequence decodes in every timed step (none finished or waits).
+        first = engine.scheduler.running[0].num_tokens
+        longest = max(request.num_tokens for request in engine.scheduler.running)
+        if (len(engine.scheduler.running) != batch
+                or longest + decode_steps > engine.config.max_model_len):
+            raise RuntimeError(f"decode@{batch}: {len(engine.scheduler.running)} sequences "
+                               f"running (longest {longest} tokens) cannot be timed for "
+                               f"{decode_steps} steps")
         wall, host, device = _timed_steps(engine, decode_steps)
         _abort_all(engine, ids)
-        keys = context + 1 + decode_steps // 2  # the median step's context
+        # The median step's context: the sequences prefilled first have decoded since.
+        keys = (first + longest) // 2 + decode_steps // 2
         profiles.append(StepProfile(
             f"decode@{batch}", batch, keys, wall, host, device,
             step_cost(config, batch, batch, batch * keys, batch * keys,

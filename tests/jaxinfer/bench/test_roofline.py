@@ -24,3 +24,31 @@ def test_layer_parameters_and_step_cost_by_hand():
 def test_the_floor_adds_compute_and_memory_time():
     peaks = Peaks(matmul_flops=1e11, read_bytes=1e10, dtype="float32")
     assert StepCost(2e9, 5e8).floor_seconds(peaks) == pytest.approx(0.02 + 0.05)
+
+
+def test_decode_profiles_time_every_sequence_of_the_batch():
+    # A small step budget prefills the batch over several steps while the first sequences
+    # already decode: none may finish (or wait) before the timed decode steps.
+    from jaxinfer.bench.roofline import profile_engine
+    from jaxinfer.bench.throughput import build_engine, load_bench_model
+    from jaxinfer.engine.host.scheduler import Scheduler
+
+    engine = build_engine(load_bench_model("random:tiny"),
+                          {"max_num_seqs": 8, "max_num_batched_tokens": 64}, 160)
+    running = []
+    original = Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        running.append(len(self.running))
+        return out
+
+    Scheduler.schedule = schedule
+    try:
+        profiles = profile_engine(engine, context=48, decode_steps=4, batches=(8,))
+    finally:
+        Scheduler.schedule = original
+    decode = profiles[-1]
+    assert decode.name == "decode@8" and decode.num_tokens == 8
+    assert running[-4:] == [8, 8, 8, 8]  # the timed steps ran the whole batch
+    assert decode.context >= 48 + 4 // 2
