@@ -81,3 +81,16 @@ def test_a_layer_of_a_stacked_pool():
     expected = ragged_paged_attention(queries, kv_pages, *rest, sm_scale=0.3,
                                       implementation="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
+
+
+def test_float32_pages_of_many_keys_and_wide_heads_take_the_vector_scores():
+    # Pages of 32 keys (two 16-key score blocks, the second partly filled) and head_dim 64
+    # (four 16-lane chunks): the vectorized score path against the reference.
+    rng = np.random.default_rng(7)
+    query_lens, context_lens = [1, 1, 1, 3], [45, 32, 7, 20]
+    inputs, _ = paged_case(rng, query_lens, context_lens, page_size=32, pages_per_seq=3,
+                           group=2, head_dim=64)
+    kernel = np.asarray(ragged_paged_attention(*inputs, sm_scale=0.125, implementation="xla"))
+    reference = np.asarray(ragged_paged_attention(*inputs, sm_scale=0.125,
+                                                  implementation="reference"))
+    np.testing.assert_allclose(kernel, reference, atol=2e-5, rtol=2e-5)
