@@ -289,6 +289,8 @@ class ModelRunner:
         # (kind, token bucket) -> its compiled program; `run` calls these, not the jit wrappers,
         # so that a program compiled in a warm-up thread is the one that runs.
         self._programs: dict[tuple[str, int], jax.stages.Compiled] = {}
+        # Per Q: the all-zero `[Q, R, V]` draft distributions of a step without drafts.
+        self._no_draft_probs: dict[int, np.ndarray | jax.Array] = {}
         self.warm_up_seconds: float | None = None
         # Wall seconds `execute` spent packing inputs on the host ("prepare") and running the
         # step until its results were back on the host ("device").
@@ -507,8 +509,8 @@ class ModelRunner:
         num_drafts = config.num_speculative_tokens
         draft_token_ids = np.zeros((num_seqs, num_drafts), np.int32)  # [Q, R]
         num_draft_tokens = np.zeros(num_seqs, np.int32)  # [Q]
-        draft_probs = (np.zeros((num_seqs, num_drafts, self.model_config.vocab_size),
-                                np.float32) if config.draft_distributions else None)  # [Q, R, V]
+        # [Q, R, V], filled only when some request brings drafts (see `_draft_probs`).
+        draft_probs = None
         offset = 0
         for s, sequence in enumerate(sequences):
             count = len(sequence.token_ids)
@@ -541,11 +543,17 @@ class ModelRunner:
                                      f"the runner verifies at most {num_drafts}")
                 draft_token_ids[s, :len(drafts)] = drafts
                 num_draft_tokens[s] = len(drafts)
-                if draft_probs is not None:
+                if config.draft_distributions:
                     if sequence.spec_draft_probs is None:
                         raise ValueError(f"request {sequence.request_id!r}: drafts without "
                                          "the drafter's distributions")
+                    if draft_probs is None:
+                        draft_probs = np.zeros((num_seqs, num_drafts,
+                                                self.model_config.vocab_size),
+                                               np.float32)  # [Q, R, V]
                     draft_probs[s, :len(drafts)] = sequence.spec_draft_probs
+        if config.draft_distributions and draft_probs is None:
+            draft_probs = self._draft_probs_without_drafts(num_seqs)  # [Q, R, V] zeros
         cu_q_lens[len(sequences) + 1:] = offset
         batch = PagedBatch(slots, kv_lens, page_indices, cu_q_lens,
                            np.asarray([len(sequences)], np.int32))  # num_seqs: [1]
@@ -600,6 +608,20 @@ class ModelRunner:
                     result.prompt_top_logprobs[rows])
             offset += len(sequence.token_ids)
         return RunnerOutput(sampled, prompt, speculated)
+
+    def _draft_probs_without_drafts(self, num_seqs: int) -> np.ndarray | jax.Array:
+        """The `[Q, R, V]` zeros a step without drafts passes for the drafter's distributions,
+        made once per Q: allocating and sending them every step cost a speculating engine
+        3-9% of a small model's step even while it did not speculate. On one device they stay
+        on it; a mesh or a multi-host leader gets the (read-only) host array."""
+        cached = self._no_draft_probs.get(num_seqs)
+        if cached is None:
+            zeros = np.zeros((num_seqs, self.config.num_speculative_tokens,
+                              self.model_config.vocab_size), np.float32)  # [Q, R, V]
+            zeros.setflags(write=False)
+            single = self._replicated is None and self._channel is None
+            cached = self._no_draft_probs[num_seqs] = jax.device_put(zeros) if single else zeros
+        return cached
 
     def _launch(self, kind: str, inputs: StepInputs) -> StepOutputs:
         """Sends the step to the followers (a multi-host leader), then runs it here."""
