@@ -12,6 +12,7 @@ every CPU kernel off.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,11 +21,29 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import jax
 
 HEADERS = pathlib.Path(__file__).parent  # the kernels' shared headers: pallas_kernels/*.h
+
+
+class KernelSwitch:
+    """A kernel's off switch for tracing: its `supports` checks `off`, and `disabled()` sets
+    it for a block, so the XLA path runs instead (tests and side-by-side timings)."""
+
+    def __init__(self) -> None:
+        self.off = False
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Within the block (while tracing), the kernel is not used."""
+        before = self.off
+        self.off = True
+        try:
+            yield
+        finally:
+            self.off = before
 
 
 def enabled_by_environment() -> bool:

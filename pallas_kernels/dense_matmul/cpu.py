@@ -15,11 +15,9 @@ the CPU lacks AVX-512 (the kernel's only fast path), `available()` is False and 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import pathlib
 import warnings
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -34,19 +32,9 @@ _TARGET = "DenseMatmulF32"
 # (a tied LM head, dotted row by row) it leads only up to ~32 rows.
 MAX_ROWS = 256
 MAX_ROWS_TRANSPOSED = 32
-_switch = {"off": False}
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Within the block (while tracing), `supports` is False: XLA's dot runs instead (for
-    tests and side-by-side timings)."""
-    before = _switch["off"]
-    _switch["off"] = True
-    try:
-        yield
-    finally:
-        _switch["off"] = before
+_switch = cpu_build.KernelSwitch()
+# Within `with disabled():` (while tracing), `supports` is False: XLA's dot runs instead.
+disabled = _switch.disabled
 
 
 @functools.cache
@@ -84,7 +72,7 @@ def supports(x: jax.Array, weight: jax.Array, *, transposed: bool = False) -> bo
     # Only while tracing (inside jit): run eagerly, each call would compile its own small
     # programs (reshapes, the custom call) per shape, where XLA's dot is one cached op.
     traced = isinstance(x, jax.core.Tracer) or isinstance(weight, jax.core.Tracer)
-    return (traced and not _switch["off"] and jax.default_backend() == "cpu"
+    return (traced and not _switch.off and jax.default_backend() == "cpu"
             and weight.ndim in (2, 3)
             and x.dtype == jnp.float32 and weight.dtype == jnp.float32
             and 0 < rows <= limit and _single_device() and available())

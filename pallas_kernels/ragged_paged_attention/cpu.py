@@ -15,7 +15,6 @@ warning) and the XLA loop runs instead. `JAXINFER_CPU_KERNELS=0` turns the kerne
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import pathlib
 import warnings
@@ -31,19 +30,9 @@ _TARGETS = {"float32": "DecodeAttentionF32", "bfloat16": "DecodeAttentionBF16",
             "int8": "DecodeAttentionS8"}
 _MAX_PAGE_SIZE = 64  # the kernel keeps one page of scores on the stack
 _MAX_GROUP = 16  # and of each of up to 16 query heads per KV head
-_switch = {"off": False}
-
-
-@contextlib.contextmanager
-def disabled():
-    """Within the block (while tracing), `supports` is False: the XLA loop runs instead (for
-    tests and side-by-side timings)."""
-    before = _switch["off"]
-    _switch["off"] = True
-    try:
-        yield
-    finally:
-        _switch["off"] = before
+_switch = cpu_build.KernelSwitch()
+# Within `with disabled():` (while tracing), `supports` is False: the XLA loop runs instead.
+disabled = _switch.disabled
 
 
 @functools.cache
@@ -63,7 +52,7 @@ def available() -> bool:
 
 def supports(kv_pages: jax.Array, group: int) -> bool:
     """Whether the kernel takes this pool (dtype, page size) and GQA group on this backend."""
-    return (not _switch["off"] and jax.default_backend() == "cpu"
+    return (not _switch.off and jax.default_backend() == "cpu"
             and str(kv_pages.dtype) in _TARGETS and kv_pages.shape[-3] <= _MAX_PAGE_SIZE
             and group <= _MAX_GROUP and available())
 
