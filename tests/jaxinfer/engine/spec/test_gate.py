@@ -101,22 +101,20 @@ def test_regimes_learn_independently():
     assert gate.choice(regime_of(32, False)) is None  # never seen
 
 
-def test_speculation_that_stops_paying_is_dropped_within_a_few_windows():
+@pytest.mark.parametrize(("before", "after", "windows", "on_windows"), [
+    # Speculation that stops paying is dropped within a few windows.
+    (200.0, 50.0, 50, (0, 3)),
+    # A re-check brings speculation back when it starts paying.
+    (50.0, 200.0, 200, (100, 200)),
+])
+def test_the_gate_follows_a_change_in_what_pays(before, after, windows, on_windows):
     gate = ThroughputGate()
-    _simulate(gate, BATCH_1, 100 * WINDOW_STEPS, on_rate=200.0)
-    assert gate.choice(BATCH_1) is True
-    _, _, on_steps = _simulate(gate, BATCH_1, 50 * WINDOW_STEPS, on_rate=50.0)
-    assert gate.choice(BATCH_1) is False
-    assert on_steps <= 3 * WINDOW_STEPS
-
-
-def test_a_recheck_brings_speculation_back_when_it_starts_paying():
-    gate = ThroughputGate()
-    _simulate(gate, BATCH_1, 100 * WINDOW_STEPS, on_rate=50.0)
-    assert gate.choice(BATCH_1) is False
-    _, _, on_steps = _simulate(gate, BATCH_1, 200 * WINDOW_STEPS, on_rate=200.0)
-    assert gate.choice(BATCH_1) is True
-    assert on_steps > 100 * WINDOW_STEPS
+    _simulate(gate, BATCH_1, 100 * WINDOW_STEPS, on_rate=before)
+    assert gate.choice(BATCH_1) is (before > after)
+    _, _, on_steps = _simulate(gate, BATCH_1, windows * WINDOW_STEPS, on_rate=after)
+    assert gate.choice(BATCH_1) is (after > before)
+    low, high = on_windows
+    assert low * WINDOW_STEPS <= on_steps <= high * WINDOW_STEPS
 
 
 def test_recheck_period_grows_with_the_gap_and_with_confirmations():
