@@ -379,14 +379,15 @@ class Engine:
         if self.spec_controller is None:
             return self.proposer.propose(decoding)
         running = self.scheduler.running
-        regime = regime_of(sum(1 for request in running
-                               if request.num_computed_tokens == request.num_tokens - 1),
-                           any(_samples(request.sampling_params) for request in running))
+        emitting = sum(1 for request in running
+                       if request.num_computed_tokens == request.num_tokens - 1)
+        sampled = any(_samples(request.sampling_params) for request in running)
+        regime = regime_of(emitting, sampled)
         speculate = self.spec_gate.speculate(regime)
         self._gated = regime, speculate
         if not speculate:
             return {}  # plain decoding this step: the proposer is not called at all
-        grants = self._plan_drafts(decoding)
+        grants = self._plan_drafts(decoding, emitting, sampled)
         chosen = [request for request in decoding if request.request_id in grants]
         if not chosen:
             return {}
@@ -397,9 +398,12 @@ class Engine:
         return {request_id: _cut(draft, grants[request_id])
                 for request_id, draft in drafts.items()}
 
-    def _plan_drafts(self, decoding: list[Request]) -> dict[str, int]:
+    def _plan_drafts(self, decoding: list[Request], emitting: int, sampled: bool
+                     ) -> dict[str, int]:
         """The controller's draft grant per decoding request, from the step's shape: the
-        running requests' own tokens, the prompts waiting for a free seat, the budget."""
+        running requests' own tokens, the prompts waiting for a free seat, the budget
+        (`emitting`: running requests that sample this step; `sampled`: any of them at
+        temperature > 0)."""
         config = self.config.scheduler
         running = self.scheduler.running
         own = sum(request.num_tokens - request.num_computed_tokens for request in running)
@@ -407,16 +411,12 @@ class Engine:
         waiting = sum(request.num_tokens - request.num_computed_tokens
                       for request in itertools.islice(self.scheduler.waiting, seats))
         limit = self.speculative.num_tokens
-        room = {request.request_id: min(limit,
-                                        request.max_tokens - request.num_output_tokens - 1,
-                                        config.max_model_len - request.num_tokens - 1)
+        room = {request.request_id: min(limit, self.scheduler.draft_room(request))
                 for request in decoding}
         return self.spec_controller.plan(
-            room, num_tokens=own + waiting,
-            num_emitting=sum(1 for request in running
-                             if request.num_computed_tokens == request.num_tokens - 1),
+            room, num_tokens=own + waiting, num_emitting=emitting,
             max_drafts=config.max_num_batched_tokens - min(own, config.max_num_batched_tokens),
-            sampled=any(_samples(request.sampling_params) for request in running))
+            sampled=sampled)
 
     # ------------------------------------------------------------------ metrics
 

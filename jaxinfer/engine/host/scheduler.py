@@ -415,14 +415,18 @@ class Scheduler:
             request.spec_token_ids = list(draft.token_ids) if draft is not None else []
             request.spec_draft_probs = draft.probs if draft is not None else None
 
-    def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
-        """The request's drafts that fit the step's remaining budget and its length limits.
+    def draft_room(self, request: Request) -> int:
+        """The most drafts the request's length limits allow it this step (may be <= 0).
 
         All R drafts accepted emit R + 1 tokens, which must stay within `max_tokens` and
         `max_model_len` (so every fed position also has a page-table slot).
         """
-        room = min(budget, request.max_tokens - request.num_output_tokens - 1,
+        return min(request.max_tokens - request.num_output_tokens - 1,
                    self.config.max_model_len - request.num_tokens - 1)
+
+    def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts that fit the step's remaining budget and its length limits."""
+        room = min(budget, self.draft_room(request))
         return request.spec_token_ids[:max(room, 0)]
 
     def _roll_back(self, request: Request, num_drafts: int, num_accepted: int) -> None:
