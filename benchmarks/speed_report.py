@@ -130,6 +130,7 @@ def main() -> None:
     result.pop("token_ids")
     report["throughput"] = {key: value for key, value in result.items()
                             if key != "roofline_table"}
+    report["workload_floor"] = _workload_floor(model.config, requests, peaks["float32"])
 
     # 3. LLM(model), as a user runs it.
     with tempfile.TemporaryDirectory() as cache:
@@ -213,6 +214,46 @@ def _real_model(directory: Path, *, skip_vllm: bool) -> dict:
     return out
 
 
+def _workload_floor(config, requests, peaks) -> dict:
+    """The whole workload's roofline floor at XLA's and at torch's f32 matmul rate."""
+    from jaxinfer.bench import roofline
+    from jaxinfer.bench.workload import total_output_tokens
+
+    cost = roofline.workload_cost(config, [request.prompt_len for request in requests],
+                                  requests[0].output_len, len(requests))
+    torch_rate = _torch_matmul_rate("float32")
+    floors = {"xla": cost.floor_seconds(peaks),
+              "best": cost.floor_seconds(roofline.Peaks(max(torch_rate, peaks.matmul_flops),
+                                                        peaks.read_bytes, "float32"))}
+    output = total_output_tokens(requests)
+    return {"gflop": cost.flops / 1e9, "gb_moved": cost.bytes / 1e9,
+            "torch_f32_matmul_flops": torch_rate,
+            **{f"{name}_floor_s": seconds for name, seconds in floors.items()},
+            **{f"{name}_floor_tokens_per_s": output / seconds
+               for name, seconds in floors.items()}}
+
+
+def _floor_lines(report: dict) -> list[str]:
+    """The workload's floor against the engine's and HF's measured throughput."""
+    floor = report.get("workload_floor")
+    if not floor:
+        return []
+    thr = report["throughput"]
+    engine = thr["engine"]["output_tokens_per_s"]
+    hf = thr["hf"]["output_tokens_per_s"]
+    return [f"Workload floor (`roofline.workload_cost`: every prompt computed once, then 127 "
+            f"decode steps over all 64 sequences, no host time; {floor['gflop']:.0f} GFLOP, "
+            f"{floor['gb_moved']:.1f} GB moved): {floor['xla_floor_s']:.2f} s at XLA's f32 "
+            f"matmul rate = {floor['xla_floor_tokens_per_s']:.0f} output tok/s = "
+            f"**{floor['xla_floor_tokens_per_s'] / hf:.2f}x HF**; at the best f32 rate measured "
+            f"here (torch {floor['torch_f32_matmul_flops'] / 1e9:.0f} GFLOP/s) "
+            f"{floor['best_floor_tokens_per_s']:.0f} tok/s = "
+            f"{floor['best_floor_tokens_per_s'] / hf:.2f}x HF. The engine runs at "
+            f"{engine / floor['xla_floor_tokens_per_s']:.0%} of the XLA-rate floor; 3x HF "
+            f"would need {3 * hf / floor['xla_floor_tokens_per_s']:.0%} of it "
+            f"({3 * hf / floor['best_floor_tokens_per_s']:.0%} of the best-rate floor)."]
+
+
 def markdown(report: dict, table: str) -> str:
     """The report's markdown section."""
     machine, peaks = report["machine"], report["peaks"]
@@ -228,7 +269,7 @@ def markdown(report: dict, table: str) -> str:
              f"GFLOP/s, bf16 matmul {peaks['bfloat16']['matmul_flops'] / 1e9:.0f} GFLOP/s "
              f"(XLA, 2048^3), read bandwidth {peaks['float32']['read_bytes'] / 1e9:.1f} GB/s",
              "", "### Throughput: bench-30m shape, fp32, 64 requests (prompts 64-256, 128 "
-             "greedy tokens)", "", table, "",
+             "greedy tokens)", "", table, "", *_floor_lines(report), "",
              "### `LLM(model)` with no options, as a user runs it (fresh process, empty "
              "compilation cache)", "",
              f"- construction, warm-up included: {user['startup_s']:.1f} s; chosen sizes: "

@@ -127,6 +127,39 @@ def step_cost(config: ModelConfig, num_tokens: int, num_sampled: int,
     return StepCost(flops, read + written)
 
 
+def workload_cost(config: ModelConfig, prompt_lens: Sequence[int], output_len: int,
+                  max_num_seqs: int, *, kv_dtype: str | None = None) -> StepCost:
+    """The floor's FLOPs and bytes of serving a whole batch workload, every request greedy.
+
+    The schedule is the cheapest one the roofline allows: every prompt is computed once (the
+    weights read once for all of them, each prompt attending causally to itself; it samples
+    its first output token), then the requests decode `output_len - 1` tokens in waves of at
+    most `max_num_seqs`, each wave's step reading the weights once and every running
+    sequence's cached keys and values once. Host time, padding and chunk boundaries are all
+    zero in this floor, so no engine reaches it; its throughput bounds every schedule's.
+
+    Args:
+        config: The model.
+        prompt_lens: Each request's prompt length.
+        output_len: Output tokens per request, the first of them sampled by the prefill.
+        max_num_seqs: Sequences one decode step may run.
+        kv_dtype: The KV pages' dtype (default: the compute dtype).
+    """
+    lens = list(prompt_lens)
+    prefill = step_cost(config, sum(lens), len(lens), sum(n * (n + 1) // 2 for n in lens), 0,
+                        kv_dtype=kv_dtype)
+    flops, moved = prefill.flops, prefill.bytes
+    for start in range(0, len(lens), max_num_seqs):
+        wave = lens[start:start + max_num_seqs]
+        for step in range(1, output_len):
+            # Each sequence holds its prompt and `step` outputs; the newest is fed.
+            keys = sum(n + step for n in wave)
+            cost = step_cost(config, len(wave), len(wave), keys, keys - len(wave),
+                             kv_dtype=kv_dtype)
+            flops, moved = flops + cost.flops, moved + cost.bytes
+    return StepCost(flops, moved)
+
+
 @dataclasses.dataclass
 class StepProfile:
     """One kind of step, timed.

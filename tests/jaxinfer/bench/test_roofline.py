@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.bench.roofline import Peaks, StepCost, layer_matmul_parameters, step_cost
+from jaxinfer.bench.roofline import (
+    Peaks,
+    StepCost,
+    layer_matmul_parameters,
+    step_cost,
+    workload_cost,
+)
 from jaxinfer.config import get_preset
 
 
@@ -24,6 +30,20 @@ def test_layer_parameters_and_step_cost_by_hand():
 def test_the_floor_adds_compute_and_memory_time():
     peaks = Peaks(matmul_flops=1e11, read_bytes=1e10, dtype="float32")
     assert StepCost(2e9, 5e8).floor_seconds(peaks) == pytest.approx(0.02 + 0.05)
+
+
+def test_workload_floor_is_its_prefill_plus_every_decode_wave():
+    config = get_preset("tiny")
+    # Two prompts of 3 and 5 tokens, 3 output tokens, one sequence per decode step: the
+    # prefill, then two waves of two decode steps each.
+    total = workload_cost(config, [3, 5], 3, 1)
+    parts = [step_cost(config, 8, 2, 3 * 4 // 2 + 5 * 6 // 2, 0),
+             step_cost(config, 1, 1, 4, 3), step_cost(config, 1, 1, 5, 4),
+             step_cost(config, 1, 1, 6, 5), step_cost(config, 1, 1, 7, 6)]
+    assert total.flops == sum(part.flops for part in parts)
+    assert total.bytes == sum(part.bytes for part in parts)
+    # Batching both sequences reads the weights once per step instead of twice.
+    assert workload_cost(config, [3, 5], 3, 2).bytes < total.bytes
 
 
 def test_decode_profiles_time_every_sequence_of_the_batch():
