@@ -147,8 +147,12 @@ def _add_bench_common(parser: argparse.ArgumentParser,
                       engine_defaults: Mapping[str, Any]) -> None:
     """Model, engine and report flags both benchmarks take. The engine flags are
     `jaxinfer serve`'s (one builder, `add_engine_arguments`), less the two the benchmark sets
-    itself: `max_model_len` (from the workload) and `enable_prompt_logprobs` (off)."""
+    itself, `max_model_len` (from the workload) and `enable_prompt_logprobs` (off), and the
+    request limits (the benchmark's own requests are within them)."""
+    import dataclasses
+
     from jaxinfer.engine.config import add_engine_arguments
+    from jaxinfer.engine.limits import RequestLimits
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="random:bench-30m",
@@ -162,8 +166,9 @@ def _add_bench_common(parser: argparse.ArgumentParser,
                            help=f"{what} of a random:PRESET model (default: the preset's)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                        help="parameter and compute dtype (default: the model's)")
+    limits = tuple(field.name for field in dataclasses.fields(RequestLimits))
     add_engine_arguments(parser, engine_defaults,
-                         exclude=("max_model_len", "enable_prompt_logprobs"))
+                         exclude=("max_model_len", "enable_prompt_logprobs", *limits))
     peer = parser.add_argument_group("comparison and reports")
     peer.add_argument("--compare", type=_peers, default=(), metavar="hf[,vllm]",
                       help="peers to run on the same requests and weights: hf (transformers "

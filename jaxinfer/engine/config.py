@@ -7,10 +7,11 @@
 Each part is handed whole to the piece that reads it: `CacheConfig` to the KV cache manager and
 the page pool, `SchedulerConfig` to the scheduler, `ParallelConfig` to the engine factory,
 `SpeculativeConfig` to the proposer and the verifying step, `CompileConfig` to the runner's
-bucketing. A field name appears in exactly one part, so the flat spelling that `LLM(...)`,
-`jaxinfer serve` and `jaxinfer bench` take (vLLM's names) maps to one place, and
-`add_engine_arguments` builds every command's flags from these classes: a new option is one
-field here, with its help text in the field's metadata.
+bucketing, `RequestLimits` to the input processor (and the servers' request checks). A field
+name appears in exactly one part, so the flat spelling that `LLM(...)`, `jaxinfer serve` and
+`jaxinfer bench` take (vLLM's names) maps to one place, and `add_engine_arguments` builds
+every command's flags from these classes: a new option is one field here, with its help text
+in the field's metadata.
 
 No jax here (the host scheduler imports this module).
 """
@@ -27,6 +28,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.limits import RequestLimits
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 KV_CACHE_DTYPES = (None, "int8")
@@ -320,7 +322,8 @@ class CompileConfig:
 # The parts, in the order the flags are listed; `speculative` is not a dataclass of flags but
 # one JSON option, handled apart.
 _PARTS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
-                           "parallel": ParallelConfig, "compile": CompileConfig}
+                           "parallel": ParallelConfig, "compile": CompileConfig,
+                           "limits": RequestLimits}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -334,6 +337,7 @@ class EngineConfig:
         speculative: Speculative decoding, as a `SpeculativeConfig` or a dict of its fields
             (e.g. `{"method": "ngram", "num_tokens": 4, "max_ngram": 3}`); None turns it off.
         compile: Bucketing and program variants of the device step.
+        limits: What one request may ask for (`jaxinfer.engine.limits`).
     """
 
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -341,6 +345,7 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))

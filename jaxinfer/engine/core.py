@@ -284,8 +284,7 @@ class Engine:
         output, sample_ids = self.output_processor.abort(request_id)
         if sample_ids:
             self._deferred.pop(sample_ids[0], None)
-        for sample_id in sample_ids:
-            self.scheduler.abort_request(sample_id)
+        self.scheduler.abort_requests(sample_ids)
         if self.proposer is not None:
             self.proposer.release(sample_ids)
         if self.spec_controller is not None:

@@ -7,7 +7,9 @@
 It takes a prompt in any accepted form (text, token ids, or a dict with "prompt_token_ids"
 and/or "prompt"), tokenizes it, runs every check a request needs before it may be queued
 (token ids inside the vocabulary for the prompt, `stop_token_ids` and `logit_bias`; room for
-output within `max_model_len`; features the engine was built without), and fans a request with
+output within `max_model_len`; features the engine was built without; the bounds of
+`jaxinfer.engine.limits.RequestLimits`, the text's length among them, checked before
+tokenizing), and fans a request with
 `n > 1` out into n scheduler requests with their own seeds. Every failure is a
 `jaxinfer.engine.errors.RequestError` naming the field, raised before anything is queued, so
 front ends map errors to their wire format without parsing messages and the requests already
@@ -20,6 +22,7 @@ on any thread, before a request reaches the engine's own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -115,6 +118,7 @@ class InputProcessor:
                                f"must be a SamplingParams, not {type(params).__name__}")
         text, token_ids = self.tokenize(request_id, prompt)
         self.validate(request_id, token_ids, params)
+        params = self.clamped(params)
         speculate = speculative and self.speculative and can_speculate(params)
         return ProcessedRequest(request_id, text, token_ids, params,
                                 self.fan_out(request_id, token_ids, params, cache_salt,
@@ -144,7 +148,13 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise RequestError("prompt", f"request {request_id!r}: a text prompt needs a "
                                    "tokenizer; this engine has none, pass token ids")
+            self.check_prompt_chars(request_id, prompt)
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence) and len(prompt) >= self.config.max_model_len:
+            # Refused before a list of millions of ids is converted item by item.
+            raise RequestError("prompt", f"request {request_id!r}: prompt of {len(prompt)} "
+                               f"tokens leaves no room for output within max_model_len = "
+                               f"{self.config.max_model_len}")
         try:
             if isinstance(prompt, bytes) or any(isinstance(token, bool | float)
                                                 for token in prompt):
@@ -154,6 +164,39 @@ class InputProcessor:
             raise RequestError("prompt", f"request {request_id!r}: the prompt must be a "
                                "string or a list of token ids") from None
         return None, token_ids
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt text worth tokenizing (`RequestLimits.prompt_chars`).
+
+        Every token covers at most as many characters as the tokenizer's longest token, so a
+        longer text cannot fit `max_model_len` tokens (a tokenizer that drops characters while
+        normalizing, e.g. runs of spaces, could fit more: raise `max_prompt_chars` for it).
+        """
+        longest = 1
+        if self.tokenizer is not None and self.config.limits.max_prompt_chars is None:
+            for token_id in range(self.tokenizer.vocab_size):
+                longest = max(longest, len(self.tokenizer.id_to_token(token_id) or ""))
+        return self.config.limits.prompt_chars(self.config.max_model_len, longest)
+
+    def check_prompt_chars(self, request_id: str, text: str, field: str = "prompt") -> None:
+        """Refuses text too long to fit the context, before tokenizing it.
+
+        Raises:
+            RequestError: On `field`.
+        """
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(field, f"request {request_id!r}: {field} of {len(text)} "
+                               f"characters cannot fit max_model_len = "
+                               f"{self.config.max_model_len} tokens (at most "
+                               f"{self.max_prompt_chars} characters; server option "
+                               "--max-prompt-chars)")
+
+    def clamped(self, params: SamplingParams) -> SamplingParams:
+        """`params` with `top_k` past the vocabulary clamped to "keep every token" (vLLM)."""
+        if params.top_k >= self.vocab_size:
+            return dataclasses.replace(params, top_k=0)
+        return params
 
     def check_token_ids(self, request_id: str, field: str, what: str,
                         token_ids: Iterable[int]) -> None:
@@ -201,6 +244,7 @@ class InputProcessor:
         Raises:
             RequestError: The field at fault is named.
         """
+        self.config.limits.check_params(params, self.config.scheduler.max_num_seqs)
         self.check_token_ids(request_id, "stop_token_ids", "stop_token_ids",
                              params.stop_token_ids or ())
         self.check_token_ids(request_id, "logit_bias", "logit_bias token ids",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from jaxinfer.engine.config import (
     SpeculativeConfig,
     engine_options_from_args,
 )
+from jaxinfer.engine.limits import RequestLimits
 from jaxinfer.tokenizer import load_tokenizer
 from tests.tiny_hf import hf_greedy, save_hf_model
 
@@ -123,6 +125,8 @@ def _bench_options(kind, *argv):
 def test_bench_engine_defaults(kind, defaults):
     library = EngineConfig().options()
     del library["max_model_len"], library["enable_prompt_logprobs"]  # the bench sets these
+    for field in dataclasses.fields(RequestLimits):  # and its requests are within them
+        del library[field.name]
     assert _bench_options(kind) == {**library, **defaults}
 
 

@@ -28,7 +28,6 @@ or the whole batch at once with `build_sampling_arrays`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -327,12 +326,21 @@ def prompt_top_logprobs(logits: jax.Array, num_logprobs: int) -> tuple[jax.Array
 # ---------------------------------------------------------------------- host-side builders
 
 
-def _check_token(token_id: object, vocab_size: int, what: str, row: int) -> int:
-    if (isinstance(token_id, bool) or not isinstance(token_id, int | np.integer)
-            or not 0 <= token_id < vocab_size):
-        raise ValueError(f"{what} row {row}: token id {token_id!r} is outside the vocabulary "
+def _token_array(token_ids: Iterable[int], vocab_size: int, what: str, row: int
+                 ) -> np.ndarray:
+    """`[n]` int64 ids of one row, checked against the vocabulary in NumPy (no per-token
+    Python: a repetition penalty's prompt is counted every step)."""
+    ids = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(
+        token_ids if isinstance(token_ids, Sequence) else list(token_ids))
+    if ids.size and (ids.dtype.kind not in "iu" or ids.ndim != 1):
+        raise ValueError(f"{what} row {row}: token ids must be integers, got {ids.dtype} "
+                         f"values of shape {ids.shape}")
+    ids = ids.astype(np.int64, copy=False)  # [n]
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{what} row {row}: token id {int(bad[0])} is outside the vocabulary "
                          f"[0, {vocab_size})")
-    return int(token_id)
+    return ids
 
 
 def dense_logit_bias(rows: Sequence[dict[int, float] | None], vocab_size: int) -> np.ndarray:
@@ -350,12 +358,18 @@ def dense_logit_bias(rows: Sequence[dict[int, float] | None], vocab_size: int) -
     """
     bias = np.zeros((len(rows), vocab_size), np.float32)  # [B, V]
     for row, entries in enumerate(rows):
-        for token_id, value in (entries or {}).items():
-            index = _check_token(token_id, vocab_size, "logit_bias", row)
-            if not math.isfinite(value):
-                raise ValueError(f"logit_bias row {row}: bias {value!r} for token id {token_id} "
-                                 "must be a finite number")
-            bias[row, index] = value
+        if not entries:
+            continue
+        if any(isinstance(token_id, bool) for token_id in entries):
+            raise ValueError(f"logit_bias row {row}: token ids must be integers")
+        ids = _token_array(list(entries), vocab_size, "logit_bias", row)  # [n]
+        values = np.asarray(list(entries.values()), np.float64)  # [n]
+        finite = np.isfinite(values)  # [n]
+        if not finite.all():
+            at = int(np.argmin(finite))
+            raise ValueError(f"logit_bias row {row}: bias {float(values[at])!r} for token id "
+                             f"{int(ids[at])} must be a finite number")
+        bias[row, ids] = values
     return bias
 
 
@@ -376,8 +390,9 @@ def token_counts(rows: Sequence[Iterable[int]], vocab_size: int, what: str = "to
     """
     counts = np.zeros((len(rows), vocab_size), np.int32)  # [B, V]
     for row, token_ids in enumerate(rows):
-        ids = [_check_token(token_id, vocab_size, what, row) for token_id in token_ids]
-        np.add.at(counts[row], np.asarray(ids, np.int64), 1)
+        ids = _token_array(token_ids, vocab_size, what, row)  # [n]
+        if ids.size:
+            counts[row] = np.bincount(ids, minlength=vocab_size)
     return counts
 
 

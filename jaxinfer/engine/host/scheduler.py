@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxinfer.engine.config import CacheConfig, SchedulerConfig, SchedulerConfigError
@@ -224,15 +225,28 @@ class Scheduler:
             True if the request was unfinished; False if the id is unknown (e.g. the request
             already finished, which a client's late cancel can race with).
         """
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return False
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
-        return True
+        return bool(self.abort_requests([request_id]))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Ends several requests at once (`abort_request` for each, in one pass over the
+        queues: aborting the n samples of one request one by one would take O(n^2)).
+
+        Returns:
+            The ids that were unfinished (the others are ignored, as `abort_request` does).
+        """
+        requests = [request for request in map(self._requests.pop, request_ids,
+                                                itertools.repeat(None)) if request is not None]
+        if not requests:
+            return []
+        gone = {id(request) for request in requests}
+        if any(request.status is RequestStatus.RUNNING for request in requests):
+            self.running = [request for request in self.running if id(request) not in gone]
+        if any(request.status is not RequestStatus.RUNNING for request in requests):
+            self.waiting = collections.deque(request for request in self.waiting
+                                             if id(request) not in gone)
+        for request in requests:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return [request.request_id for request in requests]
 
     def get_request(self, request_id: str) -> Request | None:
         """Returns the unfinished request with that id, or None."""

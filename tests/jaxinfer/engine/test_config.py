@@ -23,6 +23,7 @@ from jaxinfer.engine.config import (
     engine_options_from_args,
     option_owners,
 )
+from jaxinfer.engine.limits import RequestLimits
 
 # Every flat option set away from its default (and valid together).
 CHANGED = dict(page_size=8, num_pages=100, enable_prefix_caching=False, cache_dtype=None,
@@ -30,6 +31,9 @@ CHANGED = dict(page_size=8, num_pages=100, enable_prefix_caching=False, cache_dt
                max_model_len=256, tensor_parallel_size=2, data_parallel_size=3,
                expert_parallel_size=1, min_token_bucket=4, bucket_growth=4,
                enable_prompt_logprobs=False, compilation_cache="off",
+               max_n=8, max_stop_strings=4, max_stop_string_chars=32, max_stop_token_ids=8,
+               max_logit_bias_entries=10, max_logit_bias=5.0, max_temperature=2.0,
+               max_repetition_penalty=3.0, max_prompts_per_request=2, max_prompt_chars=1000,
                speculative={"method": "ngram", "num_tokens": 3, "max_ngram": 4,
                             "min_ngram": 2, "model": None, "adaptive": False,
                             "probe_fraction": 0.05})
@@ -52,7 +56,7 @@ def test_from_options_round_trips_through_options():
 def test_every_option_belongs_to_one_part():
     owners = option_owners()
     parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-             "compile": CompileConfig}
+             "compile": CompileConfig, "limits": RequestLimits}
     names = [field.name for cls in parts.values() for field in dataclasses.fields(cls)]
     assert len(names) == len(set(names)) == len(owners)
     assert set(EngineConfig().options()) == {*owners, "speculative"}
@@ -208,7 +212,11 @@ def test_every_flag_sets_its_option():
             "--kv-cache-dtype", "int8", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
             "--max-model-len", "256", "-tp", "2", "--data-parallel-size", "3", "-ep", "1",
             "--min-token-bucket", "4", "--bucket-growth", "4", "--no-enable-prompt-logprobs",
-            "--compilation-cache", "off",
+            "--compilation-cache", "off", "--max-n", "8", "--max-stop-strings", "4",
+            "--max-stop-string-chars", "32", "--max-stop-token-ids", "8",
+            "--max-logit-bias-entries", "10", "--max-logit-bias", "5", "--max-temperature", "2",
+            "--max-repetition-penalty", "3", "--max-prompts-per-request", "2",
+            "--max-prompt-chars", "1000",
             "--speculative", '{"method": "ngram", "num_tokens": 3, "max_ngram": 4, '
                              '"min_ngram": 2, "adaptive": false, "probe_fraction": 0.05}']
     assert _config(argv).options() == CHANGED
