@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction,
     serve.add_argument("--api-key", default=None,
                        help="require 'authorization: Bearer KEY' on every call")
     serve.add_argument("--max-queued-requests", type=int, default=256,
-                       help="waiting requests before new ones get 429 / RESOURCE_EXHAUSTED")
+                       help="waiting sequences (n per request) before new requests get 429 / "
+                            "RESOURCE_EXHAUSTED")
     serve.add_argument("--chat-template", default=None,
                        help="jinja chat template (a file, or the source itself) for "
                             "/v1/chat/completions; default: the tokenizer's")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -39,6 +40,7 @@ from jaxinfer.llm import render_chat_prompt
 from serve import openai_protocol as protocol
 from serve.metrics import CONTENT_TYPE
 from serve.service import (
+    OFF_LOOP_CHARS,
     InferenceService,
     InvalidRequestError,
     OverloadedError,
@@ -300,7 +302,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if wrong_model is not None:
         return wrong_model
     parsed = protocol.parse_completion(body)
-    token_ids = [service.encode_prompt(prompt) for prompt in parsed.prompts]
+    service.check_prompt_count(len(parsed.prompts))
+    token_ids = [await service.encode_prompt_async(prompt) for prompt in parsed.prompts]
     params = _params_for(service, parsed, token_ids)
     prompts = [{"prompt": prompt, "prompt_token_ids": ids} if isinstance(prompt, str)
                else ids for prompt, ids in zip(parsed.prompts, token_ids, strict=True)]
@@ -317,9 +320,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages, parsed = protocol.parse_chat(body)
     if service.tokenizer is None:
         raise InvalidRequestError("messages", "this model has no tokenizer to render chats")
+    # The rendered chat holds every message's text: one too long to fit is refused before
+    # the template and the tokenizer run.
+    service.check_prompt_chars("".join(str(message.get("content") or "")
+                                       for message in messages), "messages")
+    render = functools.partial(render_chat_prompt, service.tokenizer, messages,
+                               chat_template=service.config.chat_template)
     try:
-        prompt = render_chat_prompt(service.tokenizer, messages,
-                                    chat_template=service.config.chat_template)
+        # A long chat is rendered and tokenized in a worker thread (see encode_prompt_async).
+        prompt = (await asyncio.to_thread(render) if request.content_length is not None
+                  and request.content_length > OFF_LOOP_CHARS else render())
     except (jinja2.TemplateError, TypeError) as error:  # ChatTemplateError is a TemplateError
         raise InvalidRequestError("messages", f"cannot render the chat: {error} (a server "
                                               "can be given one with --chat-template)") from None

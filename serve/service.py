@@ -19,13 +19,14 @@ requests already running never notice.
 
 The servers ask for `RequestOutputKind.DELTA` outputs and stream them as they come.
 
-Admission is a bound on requests that have not yet been admitted to the engine's running set:
-when `max_queued_requests` are already waiting, a new one is refused at once rather than
-queued behind minutes of work (the client can retry elsewhere).
+Admission is a bound on sequences that have not yet been admitted to the engine's running set
+(a request with n samples counts n): when `max_queued_requests` are already waiting, a new one
+is refused at once rather than queued behind minutes of work (the client can retry elsewhere).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hmac
@@ -91,6 +92,10 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     for field in dataclasses.fields(SamplingParams) if field.name not in _SERVER_FIELDS}
 SAMPLING_FIELDS = tuple(_FIELD_TYPES)
 
+# Text longer than this is tokenized (and chats longer than this rendered) off the event loop;
+# shorter text costs less than the hop to a worker thread.
+OFF_LOOP_CHARS = 4096
+
 # The request id the engine's checks quote when a request is checked before it has one.
 _CHECK_ID = "new"
 
@@ -101,8 +106,8 @@ class ServiceConfig:
 
     Attributes:
         model_name: The name clients address the model by (`/v1/models`, `ModelInfo`).
-        max_queued_requests: Requests allowed to wait for admission before new ones get
-            RESOURCE_EXHAUSTED / 429.
+        max_queued_requests: Sequences (n per request) allowed to wait for admission before
+            new requests get RESOURCE_EXHAUSTED / 429.
         api_key: If set, every call must carry `authorization: Bearer <api_key>`.
         chat_template: Jinja source for chat requests; None uses the tokenizer's own.
     """
@@ -203,6 +208,32 @@ class InferenceService:
 
         return self._engine_check(field, check)
 
+    def check_prompt_chars(self, text: str, field: str = "prompt") -> None:
+        """Refuses text too long to fit the context, before tokenizing it.
+
+        Raises:
+            RequestError: On `field`.
+        """
+        self._engine_check(field, lambda: self._inputs.check_prompt_chars(_CHECK_ID, text,
+                                                                           field))
+
+    async def encode_prompt_async(self, prompt: Any, field: str = "prompt") -> list[int]:
+        """`encode_prompt` for the event loop: a long text is tokenized in a worker thread,
+        so one large prompt does not stall every other client's stream (the tokenizers
+        release the GIL while they encode)."""
+        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS:
+            self.check_prompt_chars(prompt, field)
+            return await asyncio.to_thread(self.encode_prompt, prompt, field)
+        return self.encode_prompt(prompt, field)
+
+    def check_prompt_count(self, count: int, field: str = "prompt") -> None:
+        """The number of prompts one request may carry (`RequestLimits`).
+
+        Raises:
+            RequestError: On `field`.
+        """
+        self._engine_check(field, lambda: self.engine.config.limits.check_prompts(count, field))
+
     def check_token_ids(self, token_ids: abc.Iterable[int], field: str) -> list[int]:
         """The ids as a list, each inside the vocabulary (the engine's check)."""
         ids = list(token_ids)
@@ -285,13 +316,15 @@ class InferenceService:
             RequestError: The engine refused the request (nothing was queued).
             EngineDeadError: The engine is not running.
         """
-        waiting = self.engine.stats().num_waiting
-        if max(waiting, self._not_admitted) >= self.config.max_queued_requests:
+        # Counted in sequences: a request with n samples waits as n scheduler requests.
+        waiting = max(self.engine.stats().num_waiting, self._not_admitted)
+        if waiting + params.n > self.config.max_queued_requests:
             self.metrics.reject("overloaded")
-            raise OverloadedError(f"the server is overloaded: {waiting} requests are waiting "
-                                  f"(limit {self.config.max_queued_requests}); retry later")
+            raise OverloadedError(f"the server is overloaded: {waiting} sequences are waiting "
+                                  f"and this request adds {params.n} (limit "
+                                  f"{self.config.max_queued_requests}); retry later")
         timer = self.metrics.start_request()
-        self._not_admitted += 1
+        self._not_admitted += params.n
         admitted = rejected = False
         delta = params.output_kind is RequestOutputKind.DELTA
         generated = 0  # tokens generated so far, every sample
@@ -306,7 +339,7 @@ class InferenceService:
                     async for output in stream:
                         if not admitted:
                             admitted = True
-                            self._not_admitted -= 1
+                            self._not_admitted -= params.n
                         last = output
                         new = sum(len(sample.token_ids) for sample in output.outputs)
                         generated = generated + new if delta else new
@@ -320,7 +353,7 @@ class InferenceService:
                 raise
         finally:
             if not admitted:
-                self._not_admitted -= 1
+                self._not_admitted -= params.n
             if last is None and not rejected:
                 timer.finish("abort", 0)  # cancelled before its first output
             if last is not None:
