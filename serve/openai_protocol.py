@@ -8,13 +8,22 @@ range raises `InvalidRequestError` naming it (the types and values of sampling f
 checked by `InferenceService.sampling_params`, which every body's fields go through); fields
 OpenAI has and we do not serve (`echo`, `best_of` > n, `suffix`, tools) are refused rather
 than silently ignored.
+
+`decode_json_body` turns a request body into a dict or refuses it with a 400 naming the
+problem: not UTF-8, not JSON, not an object, nested deeper than `MAX_JSON_DEPTH`, an integer
+beyond Python's 4,300-digit conversion limit, NaN / Infinity (which Python's json accepts, and
+numbers like 1e999 that become infinite), or a lone UTF-16 surrogate (`"\\ud800"`, which
+decodes to a str that fails later, wherever it is encoded).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
@@ -24,6 +33,131 @@ from serve.service import SAMPLING_FIELDS, InvalidRequestError
 # others are spelled differently by OpenAI (max_tokens, logprobs) or not served over HTTP.
 _DIRECT_FIELDS = tuple(name for name in SAMPLING_FIELDS
                        if name not in {"max_tokens", "logprobs", "prompt_logprobs"})
+
+
+# OpenAI request bodies nest a handful of levels (messages -> content parts -> part); far
+# deeper nesting is an attack on the parser or on the code that walks the body.
+MAX_JSON_DEPTH = 64
+# A JSON escape that may stand for half of a UTF-16 surrogate pair (\ud800-\udfff).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class _NonFinite:
+    """What the decoder puts where the body has NaN, Infinity or an overflowing number."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` has containers nested more than `limit` deep (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, dict | list))
+    return False
+
+
+def _find(value: Any, bad: Callable[[Any], bool]) -> tuple[str, str] | None:
+    """The first key or scalar for which `bad` holds: (its top-level field, its path), e.g.
+    ("messages", "messages[0].content"); ("", "the body") for a top-level key."""
+    stack: list[tuple[str, str, Any]] = [("", "", value)]
+    while stack:
+        field, path, node = stack.pop()
+        if isinstance(node, dict):
+            for key, child in reversed(node.items()):
+                if bad(key):
+                    return field, f"a key in {path or 'the body'}"
+                stack.append((field or key, f"{path}.{key}" if path else key, child))
+        elif isinstance(node, list):
+            stack.extend((field, f"{path}[{index}]", child)
+                         for index, child in reversed(list(enumerate(node))))
+        elif bad(node):
+            return field, path
+    return None
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if not isinstance(value, str) or value.isascii():
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _refuse(found: tuple[str, str], problem: str) -> InvalidRequestError:
+    field, path = found
+    if len(path) > 200:  # a path of huge keys must not make a huge message
+        path = path[:200] + "..."
+    return InvalidRequestError(field or None, f"{path}: {problem}")
+
+
+def decode_json_body(raw: bytes) -> dict[str, Any]:
+    """A request body (UTF-8 JSON) as a dict.
+
+    Nesting is bounded before the body is walked: a body with at most `MAX_JSON_DEPTH`
+    brackets cannot nest deeper (the common case, one `bytes.count`); otherwise the parsed
+    body's depth is measured without recursion. The C parser itself stops at Python's
+    recursion limit (RecursionError, refused alike), so nothing recurses unbounded.
+
+    Args:
+        raw: The request's body bytes (already bounded by the server's size limit).
+
+    Returns:
+        The body's object.
+
+    Raises:
+        InvalidRequestError: Naming the problem, and the field where there is one.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidRequestError(None, f"the body is not valid UTF-8 (byte {error.start}: "
+                                        f"{error.reason}); send JSON in UTF-8") from None
+    non_finite: list[str] = []
+
+    def constant(literal: str) -> _NonFinite:  # NaN, Infinity, -Infinity
+        non_finite.append(literal)
+        return _NonFinite(literal)
+
+    def number(literal: str) -> float | _NonFinite:
+        value = float(literal)
+        return value if math.isfinite(value) else constant(literal)
+
+    try:
+        body = json.loads(text, parse_constant=constant, parse_float=number)
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(None, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise InvalidRequestError(None, f"the body is not valid JSON: it is nested deeper "
+                                        f"than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as error:  # an integer beyond the int conversion limit
+        reason = str(error).split(":")[0]
+        raise InvalidRequestError(None, f"the body is not valid JSON: a number is too long "
+                                        f"({reason})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError(None, "the body must be a JSON object")
+    if (raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+            and _nested_deeper_than(body, MAX_JSON_DEPTH)):
+        raise InvalidRequestError(None, f"the body is not valid JSON: it is nested deeper "
+                                        f"than {MAX_JSON_DEPTH} levels")
+    if non_finite:
+        found = _find(body, lambda value: isinstance(value, _NonFinite))
+        assert found is not None
+        raise _refuse(found, f"{non_finite[0][:40]} is not a finite number (JSON has no "
+                             "NaN or Infinity)")
+    if _SURROGATE_ESCAPE.search(text):  # only then can a string hold a lone surrogate
+        found = _find(body, _has_lone_surrogate)
+        if found is not None:
+            raise _refuse(found, "a string holds a lone UTF-16 surrogate (an unpaired "
+                                 "\\ud800-\\udfff escape), which is not valid Unicode")
+    return body
 
 
 @dataclasses.dataclass
