@@ -12,6 +12,14 @@ engine streams (`contextlib.aclosing`) and so aborts the requests and frees thei
 Not served: `echo` and `suffix` (completions) and tools (chat) are refused with a 400 naming
 the field rather than silently ignored; `user` is accepted and ignored.
 
+Before any handler runs (`serve.access`): a `Host` outside the allowed hosts (by default only
+loopback names on a loopback-bound server: DNS rebinding) and an `Origin` outside
+`--allowed-origins` (any web page) get 403; then the API key (401). A POST body must be
+`application/json` (charset utf-8, if any), else 415: this also refuses the "simple" cross-site
+POSTs (`text/plain`) a browser sends without asking. Every malformed body is a 400
+(`openai_protocol.decode_json_body`), and an unexpected failure a 500 that reveals nothing of
+the server's internals (the traceback goes to the log).
+
 Shutdown (`Server.stop`): the runner's `shutdown()` closes the listening socket and makes
 requests that still arrive on open keep-alive connections answer 503, while the responses in
 flight run on; `cleanup()` then gives them `_SHUTDOWN_TIMEOUT` seconds before cancelling
@@ -38,6 +46,7 @@ from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.llm import render_chat_prompt
 from serve import openai_protocol as protocol
+from serve.access import HttpAccess
 from serve.metrics import CONTENT_TYPE
 from serve.service import (
     OFF_LOOP_CHARS,
@@ -52,13 +61,22 @@ logger = logging.getLogger("jaxinfer.serve.http")
 # Server.stop has already waited its grace period for in-flight requests when cleanup() runs,
 # so the responses still open then get only a short while before their handlers are cancelled.
 _SHUTDOWN_TIMEOUT = 3.0
+# The media types a POST body may have, and its charsets (none given means UTF-8, as JSON is).
+_JSON_TYPE = "application/json"
+_JSON_CHARSETS = frozenset({None, "utf-8", "utf8"})
+# What a CORS preflight of an allowed origin is told it may send.
+_CORS_HEADERS = {"access-control-allow-methods": "GET, POST",
+                 "access-control-allow-headers": "authorization, content-type",
+                 "access-control-max-age": "600"}
 
 
 @dataclasses.dataclass
 class _State:
-    """What the handlers share: the service, and the runner once it exists (for shutdown)."""
+    """What the handlers share: the service, the Host / Origin policy, and the runner once it
+    exists (for shutdown)."""
 
     service: InferenceService
+    access: HttpAccess
     runner: web.AppRunner | None = None
     draining: bool = False
 
@@ -67,21 +85,61 @@ _STATE = web.AppKey("state", _State)
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
+class _RefusedError(Exception):
+    """A request refused before its handler parses it (403, 415): answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
 def _error(status: int, message: str, param: str | None = None,
            kind: str = "invalid_request_error") -> web.Response:
     return web.json_response(protocol.error_body(message, status, param, kind), status=status)
 
 
+def _check_access(request: web.Request, access: HttpAccess) -> None:
+    """403 for a Host outside the allowed hosts and for a browser origin not allowed."""
+    host = request.headers.get("host")
+    if not access.host_allowed(host):
+        # A loopback-bound server answers only to loopback names by default: DNS rebinding.
+        raise _RefusedError(403, f"the Host {host!r} is not one this server answers to (see "
+                                 "--allowed-hosts)", "permission_error")
+    origin = request.headers.get("origin")
+    if origin is not None and not access.origin_allowed(origin):
+        raise _RefusedError(403, f"requests from web pages at {origin!r} are not allowed "
+                                 "(see --allowed-origins)", "permission_error")
+
+
+def _is_preflight(request: web.Request) -> bool:
+    """A browser's CORS preflight: OPTIONS with Origin and Access-Control-Request-Method."""
+    return (request.method == "OPTIONS" and "origin" in request.headers
+            and "access-control-request-method" in request.headers)
+
+
+async def _add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: lets an allowed origin's page read the response (streams too)."""
+    origin = request.headers.get("origin")
+    if origin is not None and request.app[_STATE].access.origin_allowed(origin):
+        response.headers["access-control-allow-origin"] = origin
+        response.headers.add("vary", "Origin")
+
+
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    """The API key check and the mapping of service errors to HTTP statuses."""
+    """The Host / Origin and API key checks, and the mapping of errors to HTTP statuses."""
     state = request.app[_STATE]
     try:
+        _check_access(request, state.access)
+        if _is_preflight(request):  # carries no key: answered before the key check
+            return web.Response(status=204, headers=_CORS_HEADERS)
         if request.path not in _OPEN_PATHS:
             if state.draining:
                 return _error(503, "the server is shutting down", kind="service_unavailable")
             state.service.check_api_key(request.headers.get("authorization"))
         return await handler(request)
+    except _RefusedError as error:
+        return _error(error.status, error.message, kind=error.kind)
     except UnauthenticatedError as error:
         return _error(401, str(error), kind="authentication_error")
     except RequestError as error:  # the engine's checks and the service's
@@ -98,19 +156,23 @@ async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResp
         return _error(error.status, error.reason, kind="invalid_request_error")
     except ConnectionError:
         raise  # the client went away: nobody to answer
-    except Exception as error:  # a bug: answer in OpenAI's shape rather than a bare 500 page
+    except Exception:  # a bug: answer in OpenAI's shape rather than a bare 500 page
+        # The details (which may quote the request or the server's state) go to the log only.
         logger.exception("request %s %s failed", request.method, request.path)
-        return _error(500, f"internal error: {error!r}", kind="server_error")
+        return _error(500, "internal server error (logged on the server)",
+                      kind="server_error")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InvalidRequestError(None, f"the body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError(None, "the body must be a JSON object")
-    return body
+    """The POST body as a JSON object: 415 unless it is `application/json` in UTF-8, 400
+    (naming the problem) unless it is a well-formed object."""
+    charset = request.charset.lower() if request.charset else None
+    if request.content_type != _JSON_TYPE or charset not in _JSON_CHARSETS:
+        given = request.headers.get("content-type", "none")
+        raise _RefusedError(415, f"the body must be sent as 'content-type: application/json' "
+                                 f"(charset utf-8, if any), not {given!r}",
+                            "invalid_request_error")
+    return protocol.decode_json_body(await request.read())
 
 
 def _check_model(service: InferenceService, body: dict[str, Any]) -> web.Response | None:
@@ -375,18 +437,20 @@ async def _stop_listening(app: web.Application) -> None:
             await site.stop()  # the in-flight responses carry on; cleanup() waits for them
 
 
-def build_app(service: InferenceService) -> web.Application:
+def build_app(service: InferenceService, access: HttpAccess) -> web.Application:
     """The aiohttp application with every route.
 
     Args:
         service: The engine and its request policy.
+        access: The Host and Origin allow-lists.
 
     Returns:
         The application; `start_http_server` runs it.
     """
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=16 * 1024 * 1024)
-    app[_STATE] = _State(service)
+    app[_STATE] = _State(service, access)
     app.on_shutdown.append(_stop_listening)
+    app.on_response_prepare.append(_add_cors_headers)
     app.add_routes([web.post("/v1/completions", completions),
                     web.post("/v1/chat/completions", chat_completions),
                     web.get("/v1/models", models), web.get("/health", health),
@@ -400,13 +464,15 @@ async def start_http_server(service: InferenceService, host: str, port: int
 
     Args:
         service: The engine and its request policy (the engine already started).
-        host: Interface to bind.
+        host: Interface to bind; when it is loopback, only loopback Host names are served
+            unless `service.config.allowed_hosts` says otherwise.
         port: TCP port; 0 picks a free one.
 
     `handler_cancellation=True` makes a client disconnect cancel the handler (aiohttp's
     default lets it run to completion), which is what aborts the engine request.
     """
-    app = build_app(service)
+    app = build_app(service, HttpAccess.build(host, service.config.allowed_hosts,
+                                              service.config.allowed_origins))
     runner = web.AppRunner(app, handler_cancellation=True,
                            shutdown_timeout=_SHUTDOWN_TIMEOUT, access_log=None)
     app[_STATE].runner = runner

@@ -96,6 +96,9 @@ SAMPLING_FIELDS = tuple(_FIELD_TYPES)
 # shorter text costs less than the hop to a worker thread.
 OFF_LOOP_CHARS = 4096
 
+# The engine ids of client-chosen request ids start with this; server-made ids never do.
+CLIENT_ID_PREFIX = "client:"
+
 # The request id the engine's checks quote when a request is checked before it has one.
 _CHECK_ID = "new"
 
@@ -110,12 +113,17 @@ class ServiceConfig:
             new requests get RESOURCE_EXHAUSTED / 429.
         api_key: If set, every call must carry `authorization: Bearer <api_key>`.
         chat_template: Jinja source for chat requests; None uses the tokenizer's own.
+        allowed_hosts: HTTP `Host` names served (`serve.access`); None: the loopback names
+            when bound to loopback, any host otherwise.
+        allowed_origins: Browser origins allowed to call over HTTP; none by default.
     """
 
     model_name: str
     max_queued_requests: int = 256
     api_key: str | None = None
     chat_template: str | None = None
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()
 
 
 class InferenceService:
@@ -174,7 +182,10 @@ class InferenceService:
         if expected is None:
             return
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+        # Bytes, not str: compare_digest refuses non-ASCII str (a TypeError, so a 500), and a
+        # header decoded with surrogateescape may hold lone surrogates (hence surrogatepass).
+        given = token.strip().encode("utf-8", "surrogatepass")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected.encode()):
             self.metrics.reject("unauthenticated")
             raise UnauthenticatedError("missing or wrong API key: send the header "
                                        "'authorization: Bearer <key>'")
@@ -301,8 +312,18 @@ class InferenceService:
     # ------------------------------------------------------------------ generation
 
     def new_request_id(self, prefix: str) -> str:
-        """A server-unique request id like `cmpl-12`."""
+        """A server-unique request id like `cmpl-12` (never one `client_request_id` makes)."""
         return f"{prefix}-{next(self._ids)}"
+
+    @staticmethod
+    def client_request_id(given: str) -> str:
+        """The engine's id for a request id chosen by a client.
+
+        Client ids live in their own namespace (`client:` + the id), so a client that sends
+        `grpc-3` cannot collide with the server's `grpc-3`; the front end shows the client
+        its id unchanged.
+        """
+        return CLIENT_ID_PREFIX + given
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

@@ -2,14 +2,16 @@
 
 Greedy results are checked against `jaxinfer.llm.LLM` on the same model and engine options;
 64 concurrent streams with a quarter cancelled leave the pool full; every invalid input is a
-400 naming its field while another request keeps running; overload is a 429; the API key is
-enforced.
+400 naming its field while another request keeps running; every malformed body, wrong
+Content-Type, foreign Host or Origin is refused (400 / 415 / 403) and the server serves on;
+overload is a 429; the API key is enforced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import socket
 import threading
@@ -321,7 +323,7 @@ def test_a_closed_connection_aborts_a_non_streamed_request(server):
     body = json.dumps({"model": "demo", "prompt": [1, 5], "max_tokens": 250,
                        "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.http_port)) as connection:
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                            b"Content-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         assert _wait_for(lambda: service.engine.num_unfinished_requests > 0)
@@ -340,6 +342,11 @@ def test_overload_and_api_key():
             openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
         status, answer = _post(server.http_port, "/v1/completions",
                                json.dumps({"model": "demo", "prompt": "x"}).encode())
+        assert status == 401 and answer["error"]["type"] == "authentication_error"
+        # A non-ASCII key (latin-1 on the wire) is a wrong key too, not a 500.
+        status, answer = _post(server.http_port, "/v1/completions",
+                               json.dumps({"model": "demo", "prompt": "x"}).encode(),
+                               {"authorization": "Bearer k\xe9y"})
         assert status == 401 and answer["error"]["type"] == "authentication_error"
         status, _ = _post(server.http_port, "/v1/completions",
                           json.dumps({"model": "demo", "prompt": "x", "max_tokens": 2}).encode(),
@@ -365,3 +372,102 @@ def test_overload_and_api_key():
         assert refused and served
         assert len(refused) + len(served) == len(results)
         assert _wait_idle(server.server.service)
+
+
+def _nested(depth: int) -> bytes:
+    return b'{%(ok)s, "user": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+# Each endpoint's prompt field: well-formed (ok) and holding a lone surrogate (bad).
+PROMPT_FIELDS = {
+    "completions": {b"ok": b'"prompt": "x"', b"bad": b'"prompt": "x \\ud800"',
+                    "field": "prompt"},
+    "chat/completions": {b"ok": b'"messages": [{"role": "user", "content": "x"}]',
+                         b"bad": b'"messages": [{"role": "user", "content": "x \\ud800"}]',
+                         "field": "messages"},
+}
+# (case, raw body, headers, status, param, a fragment the error message must hold); in the
+# body, %(ok)s is the endpoint's prompt field and %(bad)s the same with a lone surrogate, and
+# a param of "prompt" means that field. Each case was a 500 or a 200 before these checks.
+MALFORMED = [
+    ("deeply nested", _nested(100_000), {}, 400, None, "nested deeper than 64"),
+    ("nested past the limit", _nested(100), {}, 400, None, "nested deeper than 64"),
+    ("a 5,000-digit integer", b'{%(ok)s, "seed": 1' + b"0" * 5000 + b"}", {}, 400, None,
+     "4300 digits"),
+    ("invalid UTF-8", b'{%(ok)s, "user": "\xc3\x28"}', {}, 400, None, "not valid UTF-8"),
+    ("a lone surrogate in the prompt", b"{%(bad)s}", {}, 400, "prompt", "surrogate"),
+    ("a lone surrogate in a stop string", b'{%(ok)s, "stop": ["a", "\\udc00"]}', {}, 400,
+     "stop", "stop[1]"),
+    ("a lone surrogate in a logit_bias key", b'{%(ok)s, "logit_bias": {"\\ud800": 1}}', {},
+     400, "logit_bias", "surrogate"),
+    ("a lone surrogate in an ignored field", b'{%(ok)s, "user": "\\udbff"}', {}, 400, "user",
+     "surrogate"),
+    # (NaN and infinities in sampling fields were refused already, by the engine's checks.)
+    ("NaN", b'{%(ok)s, "user": NaN}', {}, 400, "user", "user: NaN is not a finite number"),
+    ("Infinity", b'{%(ok)s, "stream_options": {"include_usage": Infinity}}', {}, 400,
+     "stream_options", "stream_options.include_usage: Infinity"),
+    ("a float overflowing to infinity", b'{%(ok)s, "user": -1e999}', {}, 400, "user",
+     "-1e999 is not a finite number"),
+    ("an unknown charset", b"{%(ok)s}", {"content-type": "application/json; charset=klingon"},
+     415, None, "application/json"),
+    ("another charset", b"{%(ok)s}", {"content-type": "application/json; charset=latin-1"},
+     415, None, "application/json"),
+    ("text/plain (a browser's simple cross-site POST)", b"{%(ok)s}",
+     {"content-type": "text/plain"}, 415, None, "application/json"),
+    ("a form", b"{%(ok)s}", {"content-type": "application/x-www-form-urlencoded"}, 415, None,
+     "application/json"),
+    ("a foreign Host (DNS rebinding)", b"{%(ok)s}", {"host": "evil.example"}, 403, None,
+     "evil.example"),
+    ("a foreign Host with a port", b"{%(ok)s}", {"host": "evil.example:8000"}, 403, None,
+     "--allowed-hosts"),
+    ("a web page's Origin", b"{%(ok)s}", {"origin": "https://evil.example"}, 403, None,
+     "--allowed-origins"),
+]
+
+
+@pytest.mark.parametrize("path", sorted(PROMPT_FIELDS))
+def test_malformed_requests_are_refused_and_the_server_serves_on(server, path):
+    port, fields = server.http_port, PROMPT_FIELDS[path]
+    ordinary = b'{"model": "demo", "max_tokens": 2, %(ok)s}' % fields
+    failures = []
+    for case, raw, headers, status, param, fragment in MALFORMED:
+        param = fields["field"] if param == "prompt" else param
+        got, answer = _post(port, f"/v1/{path}", raw % fields, headers)
+        error = answer.get("error", {})
+        if (got, error.get("param"), error.get("code")) != (status, param, status) or (
+                fragment not in error.get("message", "")):
+            failures.append((case, got, answer))
+        # The next ordinary request is served as if nothing happened.
+        got, answer = _post(port, f"/v1/{path}", ordinary)
+        if got != 200 or answer["usage"]["completion_tokens"] != 2:
+            failures.append((case, "then", got, answer))
+    assert not failures
+    assert _wait_idle(server.server.service)
+
+
+def test_allowed_origins_get_cors_and_an_exposed_server_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.serve"), BackgroundServer(
+            make_service(allowed_origins=("https://app.example",)), "0.0.0.0",
+            grpc=False) as server:
+        port = server.http_port
+        body = json.dumps({"model": "demo", "prompt": "x", "max_tokens": 2}).encode()
+        # Bound beyond loopback: any Host is served, and no key draws a warning.
+        assert "without an API key" in caplog.text
+        status, _ = _post(port, "/v1/completions", body, {"host": "api.example:8000"})
+        assert status == 200
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body,
+            {"content-type": "application/json", "origin": "https://app.example"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert response.headers["access-control-allow-origin"] == "https://app.example"
+        preflight = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", method="OPTIONS",
+            headers={"origin": "https://app.example",
+                     "access-control-request-method": "POST",
+                     "access-control-request-headers": "authorization, content-type"})
+        with urllib.request.urlopen(preflight, timeout=120) as response:
+            assert response.status == 204
+            assert "POST" in response.headers["access-control-allow-methods"]
+            assert "authorization" in response.headers["access-control-allow-headers"]
+        status, answer = _post(port, "/v1/completions", body, {"origin": "https://other.example"})
+        assert status == 403 and answer["error"]["type"] == "permission_error"

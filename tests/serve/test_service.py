@@ -62,7 +62,14 @@ def test_bad_prompts_are_named(service, prompt, fragment):
 def test_api_key(service):
     service.check_api_key("Bearer secret")
     service.check_api_key("bearer secret")
-    for header in (None, "", "Bearer wrong", "secret", "Basic secret"):
+    # Non-ASCII tokens (and the lone surrogates aiohttp's surrogateescape decoding leaves)
+    # are wrong keys like any other, not a TypeError from compare_digest.
+    for header in (None, "", "Bearer wrong", "secret", "Basic secret", "Bearer s\xe9cret",
+                   "Bearer \udce9", "Bearer \ud800", "Bearer \u043a\u043b\u044e\u0447"):
         with pytest.raises(UnauthenticatedError):
             service.check_api_key(header)
     make_service().check_api_key(None)  # no key configured: open
+    non_ascii = make_service(api_key="cl\xe9")
+    non_ascii.check_api_key("Bearer cl\xe9")
+    with pytest.raises(UnauthenticatedError):
+        non_ascii.check_api_key("Bearer cle")
