@@ -8,6 +8,8 @@ One `grpc.aio` server on the serving event loop, over the shared `InferenceServi
   sample, the text and token ids that are new since the previous message (the engine's DELTA
   outputs, as they come), and the last message carries the finish reasons and usage. Every
   `GenerateRequest` field named like a `SamplingParams` field is passed on as that field.
+  A client may name its request (`request_id`, shown back unchanged); the engine keeps client
+  ids in their own namespace, so they never collide with the server's own (`grpc-N`).
   `Tokenize`, `Detokenize`, `ModelInfo`.
 * `jetstream_proto.Orchestrator` (JetStream's wire schema): `Decode` is a greedy request with
   `max_tokens` and `num_samples`; it streams `initial_content`, then `stream_content` deltas.
@@ -124,11 +126,11 @@ def _position_logprobs(token_id: int, entry: Mapping[int, float] | None,
         top_logprobs=[pb.TokenLogprob(token_id=tid, logprob=lp) for tid, lp in ranked])
 
 
-def _response(output: RequestOutput, params: SamplingParams,
-              generated: int) -> pb.GenerateResponse:
+def _response(output: RequestOutput, params: SamplingParams, generated: int,
+              request_id: str) -> pb.GenerateResponse:
     """The message for one DELTA output; `generated` counts the request's tokens so far (the
-    usage of the last message)."""
-    response = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
+    usage of the last message), `request_id` is the id the client knows the request by."""
+    response = pb.GenerateResponse(request_id=request_id, finished=output.finished)
     for sample in output.outputs:
         delta = response.outputs.add(index=sample.index, text=sample.text,
                                      token_ids=sample.token_ids,
@@ -161,17 +163,23 @@ class _Frontend:
         """Raises UnauthenticatedError unless the call carries the server's API key."""
         self.service.check_api_key(_authorization(context))
 
-    def request_id(self, given: str) -> str:
-        """The client's request id, checked, or a fresh one."""
+    def request_id(self, given: str) -> tuple[str, str]:
+        """The request's id as the client sees it and as the engine does.
+
+        The client's id, checked, or a fresh `grpc-N`. A client's id is namespaced inside the
+        engine (`InferenceService.client_request_id`), so it never collides with one the
+        server made; the client sees it unchanged.
+        """
         if not given:
-            return self.service.new_request_id("grpc")
+            request_id = self.service.new_request_id("grpc")
+            return request_id, request_id
         if len(given) > MAX_REQUEST_ID_LENGTH:
             raise InvalidRequestError("request_id", f"request_id is longer than "
                                                     f"{MAX_REQUEST_ID_LENGTH} characters")
         if "#" in given:
             # The engine names the samples of an n > 1 request "ID#0", "ID#1", ...
             raise InvalidRequestError("request_id", "request_id must not contain '#'")
-        return given
+        return given, self.service.client_request_id(given)
 
     def tokenizer(self) -> Any:
         """The model's tokenizer; InvalidRequestError when it has none."""
@@ -187,8 +195,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._service = service
         self._frontend = _Frontend(service)
 
-    def _parse(self, request: pb.GenerateRequest) -> tuple[Any, SamplingParams, str]:
-        """The request's prompt (for the engine), its SamplingParams and its request id."""
+    def _parse(self, request: pb.GenerateRequest
+               ) -> tuple[Any, SamplingParams, tuple[str, str]]:
+        """The request's prompt (for the engine), its SamplingParams and its request id (as
+        the client sees it, and as the engine does)."""
         which = request.WhichOneof("prompt")
         if which == "text":
             token_ids = self._service.encode_prompt(request.text, "text")
@@ -208,16 +218,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Streams one request's deltas; see inference.proto."""
         async with _status_errors(context):
             self._frontend.authorize(context)
-            prompt, params, request_id = self._parse(request)
+            prompt, params, (shown_id, engine_id) = self._parse(request)
             generated = 0
             # aclosing: when the client cancels or the deadline passes, the CancelledError
             # raised at an await below unwinds through here and closes the stream now, which
             # aborts the engine request (not whenever the generator is garbage collected).
-            async with contextlib.aclosing(
-                    self._service.generate(prompt, params, request_id)) as stream:
-                async for output in stream:
-                    generated += sum(len(sample.token_ids) for sample in output.outputs)
-                    await context.write(_response(output, params, generated))
+            try:
+                async with contextlib.aclosing(
+                        self._service.generate(prompt, params, engine_id)) as stream:
+                    async for output in stream:
+                        generated += sum(len(sample.token_ids) for sample in output.outputs)
+                        await context.write(_response(output, params, generated, shown_id))
+            except RequestError as error:
+                if error.field != "request_id":
+                    raise
+                # Quote the id the client sent, not its engine-side name.
+                raise InvalidRequestError("request_id", f"request_id {shown_id!r} is "
+                                                        "already in use") from None
 
     async def Tokenize(self, request: pb.TokenizeRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

@@ -279,6 +279,26 @@ def test_cancel_mid_stream_frees_pages(stub, server):
     wait_until(lambda: abort_count(service) > aborted)
 
 
+def test_client_ids_never_collide_with_server_ids(stub, llm, server):
+    long = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
+    ours = stub.Generate(build_request(PROMPTS[0], **long), timeout=TIMEOUT)
+    first = next(ours)
+    server_id = first.request_id  # grpc-N, made by the server
+    assert server_id.startswith("grpc-")
+    # While the server's grpc-N runs, a client names its own request grpc-N: no collision,
+    # and each stream carries only its own tokens, under the id its client knows.
+    theirs = list(stub.Generate(build_request(PROMPTS[1], request_id=server_id,
+                                              temperature=0, max_tokens=8), timeout=TIMEOUT))
+    rest = list(ours)
+    assert not first.finished and len(rest) > 1  # it was running all along
+    assert {chunk.request_id for chunk in theirs} == {server_id}
+    assert [t for c in theirs for d in c.outputs for t in d.token_ids] == reference(
+        llm, PROMPTS[1], temperature=0.0, max_tokens=8)[0].token_ids
+    assert [t for c in [first, *rest] for d in c.outputs for t in d.token_ids] == reference(
+        llm, PROMPTS[0], **long)[0].token_ids
+    wait_until(lambda: pool_is_full(server.server.service))
+
+
 def test_deadline_aborts_the_request(stub, server):
     service = server.server.service
     aborted = abort_count(service)
