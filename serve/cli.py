@@ -1,7 +1,8 @@
 """`jaxinfer serve` and `jaxinfer bench serve`, added to the `jaxinfer` command.
 
     jaxinfer serve --model builtin:demo [--host 127.0.0.1] [--grpc-port 50051]
-                   [--http-port 8000] [--api-key KEY] [engine options]
+                   [--http-port 8000] [--api-key-file PATH] [--allowed-hosts H,...]
+                   [--allowed-origins O,...] [engine options]
     jaxinfer bench serve --backend openai|grpc --port 8000 [--request-rate 4]
                          [--num-prompts 64] [--max-concurrency 16]
 
@@ -17,6 +18,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ from jaxinfer import distributed
 
 if TYPE_CHECKING:
     from jaxinfer.multihost import StepChannel
+    from serve.service import ServiceConfig
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +57,19 @@ def register(subparsers: argparse._SubParsersAction,
     serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: free)")
     serve.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: free)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'authorization: Bearer KEY' on every call")
+                       help="require 'authorization: Bearer KEY' on every call (visible to "
+                            "other users in ps: prefer --api-key-file or JAXINFER_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from this file; without either option the key "
+                            "comes from JAXINFER_API_KEY (or VLLM_API_KEY), if set")
+    serve.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                       help="HTTP Host names to answer (others get 403); default: localhost, "
+                            "127.0.0.1 and [::1] when --host is loopback, any otherwise; "
+                            "'*' any, '*.example.com' its subdomains")
+    serve.add_argument("--allowed-origins", default=None, metavar="O1,O2",
+                       help="browser origins (https://app.example) allowed to call the HTTP "
+                            "API, with CORS; default none (requests carrying Origin get 403); "
+                            "'*' any")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="waiting sequences (n per request) before new requests get 429 / "
                             "RESOURCE_EXHAUSTED")
@@ -104,10 +119,11 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
     from jaxinfer.engine.factory import load_engine
     from jaxinfer.engine.multihost_steps import follow
     from serve.server import Server, ServerAddress
-    from serve.service import InferenceService, ServiceConfig
+    from serve.service import InferenceService
 
     options = engine_options_from_args(args)
     try:
+        config = service_config_from_args(args)  # before the long load: a bad key file fails now
         # Process 0's runners send each step down the channel before running it.
         leader_end = channel if channel is not None and channel.is_leader else None
         engine = load_engine(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
@@ -128,10 +144,7 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
             print(f"jaxinfer: process {jax.process_index()}: the leader stopped after "
                   f"{steps} steps", flush=True)
             return 0
-        service = InferenceService(AsyncEngine(engine, warm_up=True), ServiceConfig(
-            model_name=args.served_model_name or args.model,
-            max_queued_requests=args.max_queued_requests, api_key=args.api_key,
-            chat_template=_read_template(args.chat_template)))
+        service = InferenceService(AsyncEngine(engine, warm_up=True), config)
     except (ValueError, FileNotFoundError) as error:
         raise CommandError(str(error)) from None
     print(f"jaxinfer: loaded {args.model}; compiling every step shape (warm-up)", flush=True)
@@ -141,6 +154,26 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
         return asyncio.run(server.run())
     except OSError as error:  # a port in use
         raise CommandError(f"cannot listen: {error}") from None
+
+
+def service_config_from_args(args: argparse.Namespace,
+                             environ: Mapping[str, str] | None = None) -> ServiceConfig:
+    """The `ServiceConfig` of `jaxinfer serve`'s options (and the API key's environment).
+
+    Raises:
+        ValueError: Conflicting or unreadable API key options.
+        FileNotFoundError: A --chat-template path that is gone (is_file raced).
+    """
+    from serve.access import resolve_api_key, split_list
+    from serve.service import ServiceConfig
+
+    return ServiceConfig(
+        model_name=args.served_model_name or args.model,
+        max_queued_requests=args.max_queued_requests,
+        api_key=resolve_api_key(args.api_key, args.api_key_file, environ),
+        chat_template=_read_template(args.chat_template),
+        allowed_hosts=split_list(args.allowed_hosts),
+        allowed_origins=split_list(args.allowed_origins) or ())
 
 
 def _read_template(value: str | None) -> str | None:

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from serve.access import exposure_warning
 from serve.service import InferenceService
 
 logger = logging.getLogger("jaxinfer.serve")
@@ -71,6 +72,9 @@ class Server:
                 self.service, self.address.host, self.address.http_port)
         logger.info("serving %s: gRPC %s:%s, HTTP %s:%s", self.service.model_name,
                     self.address.host, self.grpc_port, self.address.host, self.http_port)
+        warning = exposure_warning(self.address.host, self.service.config.api_key)
+        if warning is not None:
+            logger.warning(warning)
 
     async def stop(self) -> None:
         """Stops accepting, drains in-flight requests for `grace_seconds`, aborts the rest."""

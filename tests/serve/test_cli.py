@@ -1,6 +1,7 @@
 """`jaxinfer serve` as a user runs it (a subprocess on loopback ports) and `jaxinfer bench serve`
 against it: ready only after warm-up, both benchmark backends complete every request, and
-SIGTERM with a request in flight exits 0 within the grace period."""
+SIGTERM with a request in flight exits 0 within the grace period. The access options (the
+API key's sources, allowed hosts and origins) reach the service's config."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import urllib.request
 
 import pytest
 
+from jaxinfer.cli import build_parser
 from jaxinfer.cli import main as jaxinfer_main
+from serve.cli import service_config_from_args
 from serve.launcher import ServerProcess
 
 
@@ -63,3 +66,32 @@ def test_sigterm_stops_within_the_grace_period(served):
     client.join(timeout=30)
     assert received  # the in-flight request got an answer (finished, or ended by the stop)
     assert "stopping" in served.output
+
+
+def _serve_args(*options: str):
+    return build_parser().parse_args(["serve", "--model", "builtin:demo", *options])
+
+
+def test_access_options_reach_the_service_config(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    config = service_config_from_args(_serve_args(
+        "--api-key-file", str(key_file), "--allowed-hosts", "api.example, localhost",
+        "--allowed-origins", "https://app.example"), environ={"JAXINFER_API_KEY": "env"})
+    assert config.api_key == "from-file"
+    assert config.allowed_hosts == ("api.example", "localhost")
+    assert config.allowed_origins == ("https://app.example",)
+    defaults = service_config_from_args(_serve_args(), environ={"VLLM_API_KEY": "vllm"})
+    assert defaults.api_key == "vllm"
+    assert defaults.allowed_hosts is None and defaults.allowed_origins == ()
+    assert service_config_from_args(_serve_args(), environ={}).api_key is None
+
+
+def test_conflicting_key_options_fail_before_the_model_loads(tmp_path, capsys):
+    key_file = tmp_path / "key"
+    key_file.write_text("k")
+    # A model that does not exist: reaching the load would fail differently.
+    code = jaxinfer_main(["serve", "--model", str(tmp_path / "no-model"), "--api-key", "k",
+                          "--api-key-file", str(key_file)])
+    assert code == 2
+    assert "--api-key or --api-key-file, not both" in capsys.readouterr().err
