@@ -244,8 +244,8 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     if addresses and not _names_loopback(host) and all(
             ipaddress.ip_address(address[4][0].split("%")[0]).is_loopback
             for address in addresses):
-        addresses, problem = [], "it resolves to a loopback address here, which other " \
-                                 "hosts cannot reach"
+        addresses = []
+        problem = "it resolves to a loopback address here, which other hosts cannot reach"
     for family, _, _, _, address in addresses:
         try:
             return socket.create_server(address, family=family, backlog=backlog)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import ipaddress
 import os
 import pickle
 import signal
@@ -330,6 +331,19 @@ def test_the_leader_listens_everywhere_when_the_coordinator_host_is_not_its_own(
         real = setup.connect(1, host="127.0.0.1")
         assert _joined(setup.channel(), real)
     assert "listening on every interface" in caplog.text and "192.0.2.1" in caplog.text
+
+
+def test_a_host_name_that_is_loopback_only_here_listens_everywhere(monkeypatch, caplog):
+    # Debian maps the machine's own name to 127.0.1.1 in /etc/hosts, while other hosts
+    # resolve it to its real address: listening on loopback would shut them out.
+    resolve = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *args, **kwargs: resolve(
+        "127.0.1.1" if host == "leader-host" else host, *args, **kwargs))
+    with multihost._listen("leader-host", 0, backlog=1) as server:
+        assert server.getsockname()[0] in ("::", "0.0.0.0")
+    assert "loopback address here" in caplog.text
+    with multihost._listen("localhost", 0, backlog=1) as server:  # says loopback itself
+        assert ipaddress.ip_address(server.getsockname()[0]).is_loopback
 
 
 def test_not_every_follower_joining_is_an_error(monkeypatch):
