@@ -10,8 +10,10 @@ from checkpoints.hf import (
     save_hf_checkpoint,
 )
 from checkpoints.orbax_io import restore_model, save_model
+from checkpoints.safetensors_io import CheckpointFormatError
 
 __all__ = [
+    "CheckpointFormatError",
     "CheckpointMismatchError",
     "load_hf_checkpoint",
     "read_hf_config",

@@ -109,6 +109,8 @@ def load_hf_checkpoint(
         ConfigError: Unsupported model type or config field (named in the message).
         CheckpointMismatchError: Missing, unexpected or mis-shaped tensors (named, with both
             shapes).
+        CheckpointFormatError: A malformed weight file or index, or one naming a file outside
+            `directory` (see `checkpoints.safetensors_io`).
     """
     directory = Path(directory)
     config = read_hf_config(directory, **config_overrides)

@@ -12,10 +12,12 @@ Design (one process per host, joined by `jaxinfer.distributed.initialize`):
   ends the loop cleanly when the leader shuts down.
 * The channel is a TCP connection from each follower to the leader (length-prefixed frames,
   numpy buffers sent out of band), found through the coordination service's key-value store,
-  which also hands out a random token that followers must present. Payloads decode with a
-  restricted unpickler: numpy arrays and scalars, builtin containers, NamedTuples of modules
-  already imported, and types given to `register_payload_types` -- nothing else is imported
-  or called.
+  which also hands out a random token that followers must present. During setup the leader
+  listens only on the coordinator host's interface, handshakes with all connections at once
+  (each within `HANDSHAKE_TIMEOUT_S`, so a silent or garbage connection holds up no one) and
+  compares tokens in constant time. Payloads decode with a restricted unpickler: numpy
+  arrays and scalars, builtin containers, NamedTuples of modules already imported, and types
+  given to `register_payload_types` -- nothing else is imported or called.
 
 Failure behaviour (measured with jax 0.10.2 on CPU, two local processes):
 
@@ -38,7 +40,9 @@ Failure behaviour (measured with jax 0.10.2 on CPU, two local processes):
   until the survivor's own 60 s wait ran out). `exit_on_uncaught_exception`, which
   `jaxinfer.distributed.initialize` installs, makes such a process end at once (exit 1),
   which the others then see as a death. A leader leaving a `with channel:` block
-  by an exception also sends "abort" so the followers exit with its message.
+  by an exception also sends "abort" so the followers exit with its message, and so does a
+  leader whose engine step fails inside a server's engine thread, where no exception leaves
+  the block (`jaxinfer.engine.multihost_steps.LeaderEngine`).
 * A leader that merely stops sending steps is not a failure: followers wait indefinitely
   (an idle server).
 * `client.get_live_nodes` is not a liveness poll: it is a barrier that blocks until every
@@ -61,7 +65,9 @@ beforehand) 10 ms and 14 ms, plus 70-100 ms of compilation for every new set of 
 
 from __future__ import annotations
 
+import hmac
 import io
+import ipaddress
 import itertools
 import logging
 import os
@@ -93,6 +99,8 @@ _MAGIC = b"JXST"
 _HEADER = struct.Struct("<4sQQI")  # magic, sequence number, pickle bytes, out-of-band buffers
 _LENGTH = struct.Struct("<Q")
 _HELLO = struct.Struct("<16sI")  # token, follower's process index
+HANDSHAKE_TIMEOUT_S = 10.0  # a real follower sends its hello right after connecting
+_MAX_PENDING = 64  # unfinished handshakes held at once; the oldest goes beyond that
 _JOIN_LIMIT = 1 << 20  # a frame up to this size goes out as one sendall
 
 # Globals the payload unpickler may resolve: what numpy arrays, scalars and dtypes pickle as.
@@ -207,6 +215,149 @@ def _coordinator_host() -> str:
     return host.strip("[]")
 
 
+def _names_loopback(host: str) -> bool:
+    """Whether `host` itself says loopback ("localhost", 127.0.0.1, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on `host`'s address, port `port`.
+
+    `host` is the coordinator's host, the one address every follower is known to reach,
+    so the leader listens there and not on every interface. It listens on every interface
+    instead, with a warning, where that address is none of this machine's (a load
+    balancer's or NAT's: binding fails), and where a host name that does not say loopback
+    resolves to loopback here (Debian's `127.0.1.1 HOSTNAME` line in /etc/hosts), which
+    followers on other hosts could not reach.
+    """
+    problem = ""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       proto=socket.IPPROTO_TCP)
+    except OSError as error:
+        addresses, problem = [], f"it does not resolve ({error})"
+    if addresses and not _names_loopback(host) and all(
+            ipaddress.ip_address(address[4][0].split("%")[0]).is_loopback
+            for address in addresses):
+        addresses = []
+        problem = "it resolves to a loopback address here, which other hosts cannot reach"
+    for family, _, _, _, address in addresses:
+        try:
+            return socket.create_server(address, family=family, backlog=backlog)
+        except OSError as error:
+            problem = f"cannot listen on {address[0]} ({error})"
+    logger.warning("step channel: listening on every interface, not only on the coordinator "
+                   "host %r: %s", host, problem)
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    return socket.create_server(("", port), family=family, backlog=backlog,
+                                dualstack_ipv6=family == socket.AF_INET6)
+
+
+def _accept_followers(server: socket.socket, token: bytes, followers: int, deadline: float,
+                      handshake_timeout_s: float) -> dict[int, socket.socket]:
+    """Accepts connections on `server` until processes 1 .. `followers` have each presented
+    `token`; returns their sockets (blocking, TCP_NODELAY) by process index.
+
+    Every connection's handshake runs at once with the others (one selector), and each
+    must finish within `handshake_timeout_s`: one that sends nothing, too little, a wrong
+    token or a process index that is out of range or taken is closed and the others carry
+    on. At most `_MAX_PENDING` handshakes are held; a flood of connections drops the oldest.
+
+    Raises:
+        ChannelError: Not every follower joined by `deadline` (time.monotonic()).
+    """
+    joined: dict[int, socket.socket] = {}
+    pending: dict[socket.socket, tuple[bytearray, float]] = {}  # hello so far, expiry
+    selector = selectors.DefaultSelector()
+
+    def drop(sock: socket.socket, reason: str) -> None:
+        peer = _peer(sock)
+        del pending[sock]
+        selector.unregister(sock)
+        sock.close()
+        logger.warning("step channel: refused a connection from %s: %s", peer, reason)
+
+    server.setblocking(False)
+    selector.register(server, selectors.EVENT_READ)
+    try:
+        while len(joined) < followers:
+            now = time.monotonic()
+            if now >= deadline:
+                raise ChannelError(
+                    f"step channel: only processes {sorted(joined)} of 1 .. {followers} "
+                    "joined within the timeout")
+            for sock, (_, expires) in list(pending.items()):
+                if expires <= now:
+                    drop(sock, f"no handshake within {handshake_timeout_s} s")
+            wake = min([deadline, *(expires for _, expires in pending.values())])
+            for selected, _ in selector.select(max(wake - now, 0.0)):
+                if selected.fileobj is server:
+                    try:
+                        sock, _ = server.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as error:  # e.g. out of file descriptors: wait, retry
+                        logger.warning("step channel: accept failed: %s", error)
+                        time.sleep(0.1)
+                        continue
+                    sock.setblocking(False)
+                    selector.register(sock, selectors.EVENT_READ)
+                    pending[sock] = (bytearray(), now + handshake_timeout_s)
+                    if len(pending) > _MAX_PENDING:
+                        drop(next(iter(pending)), "too many unfinished handshakes")
+                    continue
+                sock = selected.fileobj
+                if sock not in pending:  # dropped since select() returned
+                    continue
+                hello, _ = pending[sock]
+                try:
+                    data = sock.recv(_HELLO.size - len(hello))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as error:
+                    drop(sock, str(error))
+                    continue
+                if not data:
+                    drop(sock, "closed before its handshake")
+                    continue
+                hello += data
+                if len(hello) < _HELLO.size:
+                    continue
+                given, process = _HELLO.unpack(hello)
+                if not hmac.compare_digest(given, token):
+                    drop(sock, "wrong token")
+                elif not 0 < process <= followers or process in joined:
+                    drop(sock, f"process index {process} is out of range or taken")
+                else:
+                    pending.pop(sock)
+                    selector.unregister(sock)
+                    sock.setblocking(True)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    joined[process] = sock
+    except BaseException:
+        for sock in joined.values():
+            sock.close()
+        raise
+    finally:
+        for sock in pending:
+            sock.close()
+        selector.close()
+    return joined
+
+
+def _peer(sock: socket.socket) -> str:
+    """`sock`'s remote address for a log line."""
+    try:
+        return str(sock.getpeername()[:2])
+    except OSError:
+        return "?"
+
+
 def _receive_exactly(sock: socket.socket, size: int) -> bytearray:
     """Reads `size` bytes; raises ConnectionError at end of file."""
     data = bytearray(size)
@@ -253,19 +404,24 @@ class StepChannel:
     # ------------------------------------------------------------------ setup
 
     @classmethod
-    def connect(cls, *, timeout_s: float = 120.0, port: int = 0,
-                name: str = "steps") -> StepChannel:
+    def connect(cls, *, timeout_s: float = 120.0, port: int = 0, name: str = "steps",
+                handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> StepChannel:
         """Opens the channel; every process of the run must call it (in the same order as
         any other `connect`).
 
-        The leader listens on `port` (0: any free port) of every interface and publishes
-        the port and a fresh token in the coordination service's key-value store;
-        followers connect to the coordinator's host on that port.
+        The leader listens on `port` (0: any free port) of the coordinator host's interface
+        (see `_listen`) and publishes the port and a fresh token in the coordination
+        service's key-value store; followers connect to the coordinator's host on that port
+        and present the token. The leader handshakes with every connection at once, each
+        within `handshake_timeout_s`, so a connection that sends nothing or garbage is
+        dropped without holding up the others, and keeps listening until every follower
+        has joined or `timeout_s` has passed.
 
         Args:
             timeout_s: How long to wait for the leader's address and for every follower.
             port: The leader's listening port (pick a fixed one where firewalls need it).
             name: Tells apart channels of one run.
+            handshake_timeout_s: How long one connection may take to present its token.
 
         Raises:
             ChannelError: jax.distributed is not initialized, or not every follower
@@ -277,34 +433,10 @@ class StepChannel:
         deadline = time.monotonic() + timeout_s
         if jax.process_index() == 0:
             token = secrets.token_bytes(16)
-            family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
-            with socket.create_server(("", port), family=family,
-                                      dualstack_ipv6=family == socket.AF_INET6,
-                                      backlog=max(followers, 1)) as server:
+            with _listen(_coordinator_host(), port, backlog=max(followers, 1)) as server:
                 client.key_value_set(key, f"{server.getsockname()[1]} {token.hex()}")
-                sockets: dict[int, socket.socket] = {}
-                while len(sockets) < followers:
-                    server.settimeout(max(deadline - time.monotonic(), 0.001))
-                    try:
-                        sock, _ = server.accept()
-                    except TimeoutError:
-                        raise ChannelError(
-                            f"step channel: only processes {sorted(sockets)} of 1 .. "
-                            f"{followers} joined within {timeout_s} s") from None
-                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                    try:
-                        given, process = _HELLO.unpack(_receive_exactly(sock, _HELLO.size))
-                    except (OSError, ConnectionError):
-                        sock.close()
-                        continue
-                    if given != token or not 0 < process <= followers or process in sockets:
-                        logger.warning("step channel: refused a connection with a wrong "
-                                       "token or process index %d", process)
-                        sock.close()
-                        continue
-                    sock.settimeout(None)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    sockets[process] = sock
+                sockets = _accept_followers(server, token, followers, deadline,
+                                            handshake_timeout_s)
             return cls(leader=True, sockets=sockets)
         remaining_ms = int(max(deadline - time.monotonic(), 0.001) * 1000)
         port_text, token_hex = client.blocking_key_value_get(key, remaining_ms).split()

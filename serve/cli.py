@@ -108,7 +108,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from jaxinfer.multihost import StepChannel
 
     with StepChannel.connect() as channel:
-        return _serve(args, channel=channel)
+        code = _serve(args, channel=channel)
+        if code != 0 and channel.is_leader:  # "stop" would let the followers exit 0
+            channel.abort(f"the leader's server ended with status {code}")
+        return code
 
 
 def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
@@ -117,7 +120,7 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
     from jaxinfer.engine.async_engine import AsyncEngine
     from jaxinfer.engine.config import engine_options_from_args
     from jaxinfer.engine.factory import load_engine
-    from jaxinfer.engine.multihost_steps import follow
+    from jaxinfer.engine.multihost_steps import LeaderEngine, follow
     from serve.server import Server, ServerAddress
     from serve.service import InferenceService
 
@@ -128,6 +131,8 @@ def _serve(args: argparse.Namespace, channel: StepChannel | None) -> int:
         leader_end = channel if channel is not None and channel.is_leader else None
         engine = load_engine(args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                              step_channel=leader_end, **options)
+        if leader_end is not None:  # a failing step must end the followers too
+            engine = LeaderEngine(engine, leader_end)
         if channel is not None and not channel.is_leader:
             import jax
 

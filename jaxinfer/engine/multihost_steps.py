@@ -11,15 +11,22 @@ Because warm-up is a sequence of steps too, followers compile what the leader co
 
 Failure handling is the channel's: a process that dies ends the others at once with
 `jaxinfer.multihost.EXIT_PEER_LOST`, and jax's own heartbeat covers a host that vanishes.
+One failure leaves every process alive: the leader's engine step raising inside a server's
+engine thread, which marks the engine dead and answers 503 but lets no exception out to the
+`with channel:` block, so the followers would wait for steps forever. The leader's engine is
+therefore wrapped in `LeaderEngine`, which aborts the channel when a step (or the warm-up)
+raises: every follower then exits with `EXIT_PEER_LOST` and the reason.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from jaxinfer.engine.client import EngineClient
 from jaxinfer.engine.device.sampler import SamplingArrays
 from jaxinfer.engine.device.step_io import StepInputs
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.models import PagedBatch
 from jaxinfer.multihost import StepChannel, register_payload_types
 
@@ -51,3 +58,47 @@ def follow(engine: EngineClient, channel: StepChannel) -> int:
         count += 1
     logger.info("the leader closed the step channel after %d steps", count)
     return count
+
+
+class LeaderEngine:
+    """The leader's engine in a multi-host run: a failing step aborts the step channel.
+
+    Wraps an engine built with the leader's end of `channel` (`load_engine(...,
+    step_channel=channel)`); everything but `step` and `warm_up` is the engine's own.
+    When either raises, the followers are told to exit with the error before it
+    propagates (to `AsyncEngine`, which then marks the engine dead), since a dead leader
+    engine sends no more steps and the followers would otherwise wait for them forever.
+    """
+
+    def __init__(self, engine: EngineClient, channel: StepChannel) -> None:
+        if not channel.is_leader:
+            raise ValueError("LeaderEngine takes the leader's end of the step channel")
+        self.engine = engine
+        self.channel = channel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def step(self) -> list[RequestOutput]:
+        """The engine's step; aborts the channel if it raises."""
+        try:
+            return self.engine.step()
+        except Exception as error:
+            self._abort("step", error)
+            raise
+
+    def warm_up(self) -> float:
+        """The engine's warm-up (itself a sequence of steps); aborts the channel if it raises."""
+        try:
+            return self.engine.warm_up()
+        except Exception as error:
+            self._abort("warm-up", error)
+            raise
+
+    def _abort(self, what: str, error: Exception) -> None:
+        logger.error("the leader's engine %s failed (%r); aborting the step channel so "
+                     "every follower exits", what, error)
+        try:
+            self.channel.abort(f"the leader's engine {what} failed: {error!r}")
+        except Exception:  # the step's error is the one to raise
+            logger.exception("aborting the step channel failed")

@@ -7,16 +7,23 @@ other takes to exit.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import ipaddress
 import os
 import pickle
 import signal
+import socket
 import subprocess
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
+from jaxinfer import multihost
 from jaxinfer.models.attention import PagedBatch
 from jaxinfer.multihost import (
     EXIT_PEER_LOST,
@@ -158,3 +165,190 @@ def test_coordination_service_ends_the_leader_when_a_follower_dies(tmp_path):
     assert code == -signal.SIGABRT, error[-3000:]
     assert JAX_ABORT in error and "stopped sending heartbeats" in error
     assert 2 < seconds < 25
+
+
+# ------------------------------------------------------------ setup: binding and handshakes
+#
+# These run the leader's side of `StepChannel.connect` in this process, on a thread. The
+# coordination service's key-value store is faked (the real one needs jax.distributed, which
+# must be initialized before this process's backend starts) and jax is told this is process
+# 0 of a larger run; followers are raw sockets speaking the handshake.
+
+
+class _KeyValueStore:
+    """The two calls of jax's coordination client that `connect` makes."""
+
+    def __init__(self):
+        self._values: dict[str, str] = {}
+        self._changed = threading.Condition()
+
+    def key_value_set(self, key: str, value: str) -> None:
+        with self._changed:
+            self._values[key] = value
+            self._changed.notify_all()
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        with self._changed:
+            if not self._changed.wait_for(lambda: key in self._values, timeout_ms / 1000):
+                raise TimeoutError(key)
+            return self._values[key]
+
+    def only_value(self) -> str:
+        """Waits for the leader to publish its "port token" and returns it."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._values, 30)
+            (value,) = self._values.values()
+            return value
+
+
+class _Setup:
+    """One leader's setup in progress: the future of its channel, its port and token, and
+    the follower connections opened against it."""
+
+    def __init__(self, future, port: int, token: bytes):
+        self.future, self.port, self.token = future, port, token
+        self.sockets: list[socket.socket] = []
+
+    def connect(self, process: int = 1, *, host: str = "127.0.0.1", token: bytes | None = None,
+                hello: bytes | None = None) -> socket.socket:
+        """A follower connection that sends `hello` (default: the handshake of `process`
+        with `token`, default the right one)."""
+        sock = socket.create_connection((host, self.port), timeout=30)
+        self.sockets.append(sock)
+        sock.sendall(hello if hello is not None else multihost._HELLO.pack(
+            self.token if token is None else token, process))
+        return sock
+
+    def channel(self) -> StepChannel:
+        """The leader's channel, once `connect` returns (a minute at most: a guard against
+        a setup that hangs, not a measurement)."""
+        return self.future.result(timeout=60)
+
+
+class _FatalError(Exception):
+    """What `multihost.fatal` raises here instead of ending the test process."""
+
+
+@contextlib.contextmanager
+def _leader(monkeypatch, *, followers: int, host: str = "127.0.0.1", **options):
+    """Runs `StepChannel.connect(**options)` as the leader of `followers` followers whose
+    coordinator host is `host`, on a thread; yields its `_Setup`. Aborts the channel, then
+    closes the connections."""
+    store = _KeyValueStore()
+    monkeypatch.setattr(multihost, "_kv_client", lambda: store)
+    monkeypatch.setattr(multihost, "_coordinator_host", lambda: host)
+    monkeypatch.setattr(multihost, "jax", types.SimpleNamespace(
+        process_index=lambda: 0, process_count=lambda: followers + 1))
+
+    def fatal(message, code=EXIT_PEER_LOST):
+        raise _FatalError(message, code)
+
+    monkeypatch.setattr(multihost, "fatal", fatal)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(StepChannel.connect, **{"timeout_s": 30, **options})
+    port, token = store.only_value().split()
+    setup = _Setup(future, int(port), bytes.fromhex(token))
+    try:
+        yield setup
+    finally:
+        if not future.done():  # a failed test: closing the connections may end the setup
+            for sock in setup.sockets:
+                sock.close()
+            concurrent.futures.wait([future], timeout=5)
+        if future.done() and future.exception() is None:
+            # Before the followers hang up: the channel's watch thread would take that for
+            # a lost follower.
+            future.result().abort("test over")
+        for sock in setup.sockets:
+            sock.close()
+        pool.shutdown(wait=False)
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the leader closed `sock` (waits for it; any data counts as no)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _joined(channel: StepChannel, sock: socket.socket) -> bool:
+    """Whether `sock` is the follower end the channel sends to (a frame arrives on it)."""
+    channel.send("probe", None)
+    return sock.recv(4) == b"JXST"
+
+
+def test_silent_and_bad_connections_do_not_block_a_real_follower(monkeypatch):
+    # Handshakes may take an hour: served one after another, the silent connection would
+    # hold the leader for that long and the follower would not join.
+    with _leader(monkeypatch, followers=1, timeout_s=3600, handshake_timeout_s=3600) as setup:
+        silent = socket.create_connection(("127.0.0.1", setup.port))
+        setup.sockets.append(silent)
+        garbage = setup.connect(hello=b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        short = setup.connect(hello=setup.token[:5])  # then nothing more
+        wrong_index = setup.connect(7)
+        real = setup.connect(1)
+        assert _joined(setup.channel(), real)
+        # The leader hangs up on every other connection, the silent ones once it is done.
+        assert all(_hung_up(sock) for sock in (silent, garbage, short, wrong_index))
+
+
+def test_a_wrong_token_is_refused(monkeypatch, caplog):
+    with _leader(monkeypatch, followers=1) as setup:
+        impostor = setup.connect(1, token=bytes(16))  # claims process 1's index, first
+        assert _hung_up(impostor)
+        assert not setup.future.done()
+        real = setup.connect(1)
+        assert _joined(setup.channel(), real)
+    assert "wrong token" in caplog.text
+
+
+def test_a_connection_without_a_handshake_times_out(monkeypatch):
+    with _leader(monkeypatch, followers=2, handshake_timeout_s=0.2) as setup:
+        first = setup.connect(1)
+        silent = socket.create_connection(("127.0.0.1", setup.port))
+        setup.sockets.append(silent)
+        assert _hung_up(silent)  # while the leader still waits for process 2
+        assert not setup.future.done()
+        second = setup.connect(2)
+        assert _joined(setup.channel(), first) and _joined(setup.channel(), second)
+
+
+def test_the_leader_listens_on_the_coordinator_host_only(monkeypatch):
+    # 127.0.0.2 is this machine's too (all of 127/8 is loopback), but a different interface
+    # address: a leader listening on every interface would accept on 127.0.0.1 as well.
+    with _leader(monkeypatch, followers=1, host="127.0.0.2") as setup:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", setup.port))
+        real = setup.connect(1, host="127.0.0.2")
+        assert _joined(setup.channel(), real)
+
+
+def test_the_leader_listens_everywhere_when_the_coordinator_host_is_not_its_own(
+        monkeypatch, caplog):
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine: binding there fails.
+    with _leader(monkeypatch, followers=1, host="192.0.2.1") as setup:
+        real = setup.connect(1, host="127.0.0.1")
+        assert _joined(setup.channel(), real)
+    assert "listening on every interface" in caplog.text and "192.0.2.1" in caplog.text
+
+
+def test_a_host_name_that_is_loopback_only_here_listens_everywhere(monkeypatch, caplog):
+    # Debian maps the machine's own name to 127.0.1.1 in /etc/hosts, while other hosts
+    # resolve it to its real address: listening on loopback would shut them out.
+    resolve = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *args, **kwargs: resolve(
+        "127.0.1.1" if host == "leader-host" else host, *args, **kwargs))
+    with multihost._listen("leader-host", 0, backlog=1) as server:
+        assert server.getsockname()[0] in ("::", "0.0.0.0")
+    assert "loopback address here" in caplog.text
+    with multihost._listen("localhost", 0, backlog=1) as server:  # says loopback itself
+        assert ipaddress.ip_address(server.getsockname()[0]).is_loopback
+
+
+def test_not_every_follower_joining_is_an_error(monkeypatch):
+    with _leader(monkeypatch, followers=2, timeout_s=0.5) as setup:
+        first = setup.connect(1)
+        with pytest.raises(ChannelError, match=r"only processes \[1\] of 1 \.\. 2 joined"):
+            setup.channel()
+        assert _hung_up(first)  # closed, not left dangling
