@@ -5,6 +5,12 @@ gets the right answer and the KV pool is full again.
 Each case is something one client could send to take the server down, stall it or make it
 allocate without bound (issue 21's "seen on main" list, and more). The ordinary request is
 greedy, so "the right answer" is the one the same server gave before any hostile case.
+
+Malformed HTTP bodies and headers (nesting, 4,300-digit integers, charsets, lone surrogates,
+NaN, Content-Type, Host and Origin) have their own table, `MALFORMED` in
+`tests/serve/test_http_server.py`, run against both endpoints the same way; the API key's
+cases are in `test_overload_and_api_key` there, slow and never-reading clients in
+`tests/serve/test_soak.py`.
 """
 
 from __future__ import annotations
