@@ -18,9 +18,13 @@ request is unfinished the thread blocks on the queue, so a command wakes it at o
 After every step and every batch of commands the thread publishes an immutable `EngineStats`
 snapshot; `stats()` returns the latest one without waiting, at most one step old.
 
-Each `generate` call gets an `asyncio.Queue` on its own event loop, fed with
+Each `generate` call gets a one-item mailbox on its own event loop, fed with
 `loop.call_soon_threadsafe` in step order, so any number of coroutines (one per HTTP or gRPC
-request) wait without blocking the loop. A bad request raises `ValueError` from `generate`
+request) wait without blocking the loop. A consumer that falls behind (a slow client) never
+builds a backlog: a new output is merged into the unread one (DELTA outputs are concatenated
+with `RequestOutput.add`, a cumulative one replaces it, an error replaces anything), so the
+next read returns everything it missed in one item, and a stream holds O(unread output) memory
+whatever the number of steps. A bad request raises `ValueError` from `generate`
 before anything is yielded or queued and every other request carries on; an error inside the
 engine loop itself is raised in every open stream and leaves the engine `errored` (a server's
 health check).
@@ -43,7 +47,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.errors import RequestError
 from jaxinfer.engine.input_processor import Prompt
 from jaxinfer.engine.outputs import RequestOutput
-from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from jaxinfer.config import ModelConfig
@@ -55,19 +59,53 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    """Delivers one request's outputs from the engine thread to the coroutine awaiting them."""
+    """Delivers one request's outputs from the engine thread to the coroutine awaiting them.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    Holds at most one unread item (see the module docstring): outputs that arrive while the
+    consumer is behind are merged into it.
+
+    Args:
+        loop: The consumer's event loop.
+        delta: The request asked for DELTA outputs (merged by concatenation; others replace).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, delta: bool = False) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.delta = delta
+        self.pending: RequestOutput | BaseException | None = None  # the unread item
+        self.num_merged = 0  # items folded into an unread one instead of queued after it
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> bool:
-        """Hands `item` over; False if the coroutine's loop is gone."""
+        """Hands `item` over (from any thread); False if the coroutine's loop is gone."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._deliver, item)
         except RuntimeError:  # the event loop was closed
             return False
         return True
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        """On the consumer's loop: stores `item`, merged into the unread one if any."""
+        pending = self.pending
+        if pending is not None:
+            self.num_merged += 1
+        if pending is None or isinstance(item, BaseException):
+            self.pending = item  # an error wins over the outputs it interrupts
+        elif isinstance(pending, BaseException):
+            pass  # nothing comes after an error
+        elif self.delta:
+            pending.add(item)  # a fresh object from the engine thread, now only ours
+        else:
+            self.pending = item  # cumulative (or final): the newest says it all
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The unread item (everything since the previous `get`), once there is one."""
+        await self._ready.wait()
+        item, self.pending = self.pending, None
+        self._ready.clear()
+        assert item is not None
+        return item
 
 
 class _Command:
@@ -213,7 +251,9 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, cache_salt: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Serves one request; yields its cumulative output after every step that changes it.
+        """Serves one request; yields its output after every step that changes it (shaped by
+        its `output_kind`), or, for a consumer that fell behind, after the steps it missed,
+        merged.
 
         The request is added between two engine steps, so the first `__anext__` may wait for
         the step in progress. Leaving the `async for` early (a client disconnect, a
@@ -234,7 +274,9 @@ class AsyncEngine:
             raise EngineDeadError(self._dead_message())
         if request_id is None:
             request_id = f"request-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop())
+        delta = (sampling_params is not None
+                 and sampling_params.output_kind is RequestOutputKind.DELTA)
+        stream = _Stream(asyncio.get_running_loop(), delta=delta)
         added = self._submit(functools.partial(
             self._add_now, request_id, prompt, sampling_params, cache_salt, stream))
         if added is None:
@@ -243,7 +285,7 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(added)  # raises the engine's ValueError
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

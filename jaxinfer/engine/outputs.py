@@ -17,7 +17,8 @@ class CompletionOutput:
         text: The generated text (stop string excluded unless asked for).
         token_ids: The generated token ids.
         finish_reason: "stop" (a stop token or string), "length" (max_tokens or the model's
-            length), "abort", or None while generating.
+            length), "abort", "error" (the engine failed on this request alone, see
+            `RequestOutput.error`), or None while generating.
         stop_reason: The stop string or stop token id that ended it, if any.
         logprobs: Per generated token, {token_id: logprob} of the chosen token and the top
             alternatives, when requested; else None.
@@ -51,6 +52,8 @@ class RequestOutput:
             alternatives), once the whole prompt is computed; else None.
         speculative: The request's speculative-decoding counters (all samples together),
             when the engine speculates; else None.
+        error: Why the engine gave up on this request alone (its unfinished samples end with
+            finish_reason "error"); None otherwise. A server answers it with an error.
     """
 
     request_id: str
@@ -60,6 +63,7 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
     speculative: SpecStats | None = None
+    error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Appends a DELTA output of the same request (`SamplingParams.output_kind`), so a
@@ -82,6 +86,8 @@ class RequestOutput:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.speculative is not None:
             self.speculative = delta.speculative
+        if delta.error is not None:
+            self.error = delta.error
 
     def snapshot(self) -> RequestOutput:
         """An independent copy (later `add`s do not change it)."""
@@ -92,4 +98,4 @@ class RequestOutput:
                                  else list(sample.logprobs)) for sample in self.outputs],
             self.finished, prompt_logprobs=self.prompt_logprobs,
             speculative=None if self.speculative is None
-            else dataclasses.replace(self.speculative))
+            else dataclasses.replace(self.speculative), error=self.error)

@@ -16,7 +16,7 @@ import pytest
 from jaxinfer.config import get_preset
 from jaxinfer.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxinfer.engine.core import Engine, EngineConfig
-from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.generate import generate
 from jaxinfer.models import create_model
 
@@ -350,3 +350,33 @@ def test_shutdown_ends_open_streams(model):
 
     assert asyncio.run(main()) is False
     assert not engine.is_running and not engine.errored and _idle(engine)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_consumer_that_falls_behind_gets_what_it_missed_in_one_item(engine, model, kind):
+    max_tokens = 30
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=kind)
+
+    async def main():
+        paused = engine.generate(PROMPTS[0], params, "paused")
+        first = await paused.__anext__()
+        stream = engine._streams["paused"]
+        # This consumer reads nothing while the engine runs the request to its end.
+        while stream.pending is None or not stream.pending.finished:
+            await asyncio.sleep(0.01)
+        held = stream.pending
+        rest = [output async for output in paused]
+        return first, stream, held, rest
+
+    first, stream, held, rest = asyncio.run(main())
+    # One unread item, whatever the number of steps it missed: each step's output (one
+    # token each) was merged into it rather than queued behind it.
+    assert len(rest) == 1 and rest[0] is held and rest[0].finished
+    assert 1 + len(rest) + stream.num_merged == max_tokens
+    expected = generate(model, [PROMPTS[0]], max_new_tokens=max_tokens, eos_token_ids=())[0]
+    if kind is RequestOutputKind.DELTA:  # the missed deltas, concatenated
+        assert first.outputs[0].token_ids + rest[0].outputs[0].token_ids == expected
+    else:  # the newest cumulative output replaced the older ones
+        assert rest[0].outputs[0].token_ids == expected
+    assert _idle(engine)
