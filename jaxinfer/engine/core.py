@@ -17,6 +17,13 @@
    lengths, rolls back rejected drafts and releases pages; then `OutputProcessor` detokenizes,
    finds stop strings, gathers logprobs and builds the outputs (`output_processor`).
 
+A failure in one request's host work inside a step fails that request alone: when packing
+the step's inputs (its sampling arrays, block table, drafts) raises because of some requests,
+the runner names them (`RequestsFailedError`), the engine ends them with finish_reason "error"
+(`RequestOutput.error` says why; their pages are freed) and runs the step without them; the
+output processor does the same for detokenizing, stop strings and logprobs. The step itself
+(the device program) failing is no request's fault: it raises, and the engine is dead.
+
 Requests enter through `InputProcessor` (every check, n > 1 fan-out), which raises
 `RequestError` naming the field before anything is queued. The scheduler never touches device
 arrays and the runner never makes scheduling decisions.
@@ -49,6 +56,7 @@ counted) instead of computing and storing the prompt n times.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from jax.sharding import Mesh
@@ -56,14 +64,19 @@ from jax.sharding import Mesh
 from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.engine.client import EngineStats
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.device.runner import ModelRunner, RunnerConfig
+from jaxinfer.engine.device.runner import (
+    ModelRunner,
+    RequestsFailedError,
+    RunnerConfig,
+    RunnerOutput,
+)
 from jaxinfer.engine.device.step_io import STEP
 from jaxinfer.engine.errors import RequestError
 from jaxinfer.engine.host.draft import Draft, SpecStats
 from jaxinfer.engine.host.request import Request
-from jaxinfer.engine.host.scheduler import Scheduler
+from jaxinfer.engine.host.scheduler import ScheduledRequest, Scheduler
 from jaxinfer.engine.input_processor import InputProcessor, ProcessedRequest, Prompt
-from jaxinfer.engine.output_processor import OutputProcessor
+from jaxinfer.engine.output_processor import OutputProcessor, describe_failure
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from jaxinfer.engine.spec.controller import SpecController
@@ -74,6 +87,8 @@ from jaxinfer.multihost import StepChannel
 from jaxinfer.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "Prompt", "runner_config"]
+
+logger = logging.getLogger(__name__)
 
 
 def runner_config(config: EngineConfig) -> RunnerConfig:
@@ -281,7 +296,13 @@ class Engine:
             The request's final output (unfinished samples end with finish_reason "abort"),
             or None if the request was not unfinished (unknown or already done).
         """
-        output, sample_ids = self.output_processor.abort(request_id)
+        return self._end_request(request_id)
+
+    def _end_request(self, request_id: str, error: str | None = None
+                     ) -> RequestOutput | None:
+        """`abort_request`, or with `error` the request failed alone (finish_reason
+        "error")."""
+        output, sample_ids = self.output_processor.abort(request_id, error=error)
         if sample_ids:
             self._deferred.pop(sample_ids[0], None)
         self.scheduler.abort_requests(sample_ids)
@@ -318,7 +339,7 @@ class Engine:
         if scheduled.is_empty:
             return []
         executing = time.perf_counter()
-        result = self.runner.execute(scheduled.scheduled_requests)
+        result, sequences, failed_outputs = self._execute(scheduled.scheduled_requests)
         executed = time.perf_counter()
         self.num_steps += 1
         new_tokens = {sample_id: [sampled.token_id]
@@ -331,10 +352,13 @@ class Engine:
             if controller is not None:
                 controller.observe_verification(update.request_id, update.num_draft_tokens,
                                                 update.num_accepted_tokens)
-        outputs, stopped, finished = self.output_processor.process(
+        outputs, stopped, finished, failed = self.output_processor.process(
             updates, result.sampled, result.prompt_logprobs)
+        outputs = failed_outputs + outputs
         for sample_id in stopped:
-            self.scheduler.abort_request(sample_id)  # a stop string matched
+            self.scheduler.abort_request(sample_id)  # a stop string matched, or it failed
+        for sample_id in failed:
+            self._deferred.pop(sample_id, None)
         if self.proposer is not None and finished:
             self.proposer.release(finished)
         if controller is not None and finished:
@@ -342,13 +366,14 @@ class Engine:
         for update in updates:
             # Sample 0 has its first token, so its prompt blocks are cached: admit the rest.
             for sample in self._deferred.pop(update.request_id, ()):
-                self.scheduler.add_request(sample)
+                if self.output_processor.tracks(sample.request_id):
+                    self.scheduler.add_request(sample)
         finished_at = time.perf_counter()
         self.seconds["propose"] += proposed - started
         self.seconds["schedule"] += executing - proposed
         self.seconds["execute"] += executed - executing
         self.seconds["outputs"] += finished_at - executed
-        if controller is not None and self.runner.step_kind(scheduled.scheduled_requests) == STEP:
+        if controller is not None and sequences and self.runner.step_kind(sequences) == STEP:
             controller.observe_step(
                 scheduled.num_scheduled_tokens,
                 any(request.spec_token_ids for request in scheduled.scheduled_requests),
@@ -364,6 +389,32 @@ class Engine:
                                    sum(len(update.new_token_ids) for update in updates),
                                    finished_at - started)
         return outputs
+
+    def _execute(self, sequences: list[ScheduledRequest]
+                 ) -> tuple[RunnerOutput, list[ScheduledRequest], list[RequestOutput]]:
+        """Runs the step; requests whose inputs alone cannot be packed fail and the step
+        runs without them (the scheduler ignores aborted requests' missing tokens).
+
+        Returns:
+            The runner's output, the requests it ran, and the failed requests' final outputs.
+        """
+        failed_outputs: list[RequestOutput] = []
+        while True:
+            try:
+                return self.runner.execute(sequences), sequences, failed_outputs
+            except RequestsFailedError as failure:
+                for sample_id, error in failure.errors.items():
+                    request_id = self.output_processor.parent_of(sample_id)
+                    if request_id is None:  # a sibling sample's failure already ended it
+                        continue
+                    logger.error("request %r failed; the others carry on", request_id,
+                                 exc_info=error)
+                    output = self._end_request(request_id, describe_failure(error))
+                    if output is not None:
+                        failed_outputs.append(output)
+                # Every sample of a failed request is gone, not only the failing ones.
+                sequences = [sequence for sequence in sequences
+                             if self.scheduler.get_request(sequence.request_id) is not None]
 
     def _propose_drafts(self) -> dict[str, Draft] | None:
         """The proposer's drafts for the speculating, decoding requests' coming step (with

@@ -19,13 +19,19 @@ request), its text is cut before the stop string (or after it, with
 streamed text holds back the last `len(longest stop) - 1` characters, so text once shown is
 never taken back, which is what makes deltas well defined.
 
+A failure in one request's host work here (detokenizing, stop strings, logprob dicts, building
+its output) fails that request alone: its samples end with finish_reason "error", its output
+carries the `error`, and the engine aborts its scheduler requests (freeing their pages), while
+every other request of the step carries on as if nothing happened.
+
 No jax here: runner results are read through their attributes only.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +41,8 @@ from jaxinfer.engine.input_processor import ProcessedRequest, child_request_id
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
 from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def logprob_dict(token_id: int, logprob: float, top_ids: np.ndarray,
@@ -210,6 +218,27 @@ class RequestState:
             return list(self.prompt_logprobs)
         return None
 
+    def fail(self, error: str) -> RequestOutput:
+        """Ends every unfinished sample with finish_reason "error"; returns the final output.
+
+        The request's own state may be what broke, so when its usual output cannot be built
+        the final output reports the samples' finish reasons with no new text or tokens.
+        """
+        for sample in self.samples:
+            if not sample.finished:
+                sample.finish_reason = "error"
+        try:
+            output = self.output(final=True)
+        except Exception:  # any failure: the error output must still go out
+            output = None
+        if output is None:
+            output = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [
+                CompletionOutput(sample.index, "", [], sample.finish_reason)
+                for sample in self.samples], True)
+        output.finished = True
+        output.error = error
+        return output
+
     def output(self, final: bool = False) -> RequestOutput | None:
         """The request's output after a change, shaped by its `output_kind`; None when the
         kind has nothing to say now (FINAL_ONLY before the end, a DELTA with nothing new).
@@ -240,6 +269,30 @@ class RequestState:
                              speculative=speculative)
 
 
+class ProcessedStep(NamedTuple):
+    """What `OutputProcessor.process` made of one step.
+
+    Attributes:
+        outputs: The outputs to hand out, one per changed user request (a failed request's
+            final one included).
+        stopped: Scheduler ids the scheduler must abort: samples a stop string ended, and
+            every unfinished sample of a failed request.
+        finished: Scheduler ids that finished in this step (stop strings and failures
+            included), whose per-request state elsewhere can go.
+        failed: Scheduler ids of every sample of each request that failed in this step.
+    """
+
+    outputs: list[RequestOutput]
+    stopped: list[str]
+    finished: list[str]
+    failed: list[str]
+
+
+def describe_failure(error: BaseException) -> str:
+    """The message a request that failed on `error` reports (its `RequestOutput.error`)."""
+    return f"the engine failed on this request: {type(error).__name__}: {error}"
+
+
 class OutputProcessor:
     """Every unfinished user request's state, keyed by user id and by sample id."""
 
@@ -262,10 +315,22 @@ class OutputProcessor:
             self._samples[sample_id] = (state, index)
         return state
 
+    def parent_of(self, sample_id: str) -> str | None:
+        """The user request id of an unfinished sample (None if it is not tracked)."""
+        entry = self._samples.get(sample_id)
+        return None if entry is None else entry[0].request_id
+
+    def tracks(self, sample_id: str) -> bool:
+        """Whether the sample is unfinished and its request has neither failed nor been
+        aborted (a deferred sample of an n > 1 request is admitted only then)."""
+        return sample_id in self._samples
+
     def process(self, updates: Iterable[Any], sampled: dict[str, Any],
-                prompt_logprobs: dict[str, Any]
-                ) -> tuple[list[RequestOutput], list[str], list[str]]:
+                prompt_logprobs: dict[str, Any]) -> ProcessedStep:
         """Applies one step's results.
+
+        A request whose own processing raises fails alone (see the module docstring): the
+        exception is logged, never raised.
 
         Args:
             updates: The scheduler's per-request updates
@@ -273,28 +338,36 @@ class OutputProcessor:
                 draft counts).
             sampled: The runner's sampled tokens by scheduler id (logprobs read from them).
             prompt_logprobs: The runner's prompt-logprob chunks by scheduler id.
-
-        Returns:
-            (the outputs to hand out, one per changed user request; scheduler ids whose
-            sample a stop string ended, which the scheduler must abort; scheduler ids that
-            finished in this step, stop strings included).
         """
+        failures: dict[str, tuple[RequestState, BaseException]] = {}
         for sample_id, chunk in prompt_logprobs.items():
-            self._samples[sample_id][0].add_prompt_logprobs(chunk)
+            state = self._samples[sample_id][0]
+            try:
+                state.add_prompt_logprobs(chunk)
+            except Exception as error:  # this request's failure alone
+                failures.setdefault(state.request_id, (state, error))
         touched: dict[str, RequestState] = {}
         stopped, finished = [], []
         for update in updates:
             state, index = self._samples[update.request_id]
-            if state.speculative is not None:
-                state.speculative.add(update.num_draft_tokens, update.num_accepted_tokens)
-            logprobs = None
-            if state.params.logprobs is not None and update.new_token_ids:
-                token = sampled[update.request_id]
-                top = state.params.logprobs
-                logprobs = [logprob_dict(token.token_id, token.logprob,
-                                         token.top_token_ids[:top], token.top_logprobs[:top])]
-            sample = state.samples[index]
-            if sample.add(update.new_token_ids, update.finish_reason, logprobs):
+            if state.request_id in failures:
+                continue
+            try:
+                if state.speculative is not None:
+                    state.speculative.add(update.num_draft_tokens, update.num_accepted_tokens)
+                logprobs = None
+                if state.params.logprobs is not None and update.new_token_ids:
+                    token = sampled[update.request_id]
+                    top = state.params.logprobs
+                    logprobs = [logprob_dict(token.token_id, token.logprob,
+                                             token.top_token_ids[:top],
+                                             token.top_logprobs[:top])]
+                sample = state.samples[index]
+                stop_string = sample.add(update.new_token_ids, update.finish_reason, logprobs)
+            except Exception as error:  # this request's failure alone
+                failures[state.request_id] = (state, error)
+                continue
+            if stop_string:
                 stopped.append(update.request_id)
             if sample.finished:
                 del self._samples[update.request_id]
@@ -302,27 +375,55 @@ class OutputProcessor:
             touched[state.request_id] = state
         outputs = []
         for request_id, state in touched.items():
+            if request_id in failures:
+                continue
+            try:
+                output = state.output()
+            except Exception as error:  # this request's failure alone
+                failures[request_id] = (state, error)
+                continue
             if state.finished:
                 del self._requests[request_id]
-            output = state.output()
             if output is not None:
                 outputs.append(output)
-        return outputs, stopped, finished
+        failed = []
+        for request_id, (state, error) in failures.items():
+            logger.error("request %r failed; the others carry on", request_id,
+                         exc_info=error)
+            unfinished = [sample_id for sample_id in state.sample_ids()
+                          if sample_id in self._samples]
+            output, sample_ids = self.abort(request_id, error=describe_failure(error))
+            if output is None:  # it finished and was already handed out: nothing to end
+                continue
+            outputs.append(output)
+            stopped.extend(unfinished)
+            finished.extend(unfinished)
+            failed.extend(sample_ids)
+        return ProcessedStep(outputs, stopped, finished, failed)
 
-    def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+    def abort(self, request_id: str, *, error: str | None = None
+              ) -> tuple[RequestOutput | None, list[str]]:
         """Ends every sample of a request now.
+
+        Args:
+            request_id: The user request.
+            error: Why the engine gives up on the request (it failed alone); None for an
+                abort.
 
         Returns:
             (the request's final output, unfinished samples ending with finish_reason
-            "abort"; or None if the request was not unfinished), and the scheduler ids of
-            its samples.
+            "abort", or "error" and the output's `error` set when `error` is given; or None
+            if the request was not unfinished), and the scheduler ids of its samples.
         """
         state = self._requests.pop(request_id, None)
         if state is None:
             return None, []
         sample_ids = state.sample_ids()
-        for sample_id, sample in zip(sample_ids, state.samples, strict=True):
+        for sample_id in sample_ids:
             self._samples.pop(sample_id, None)
+        if error is not None:
+            return state.fail(error), sample_ids
+        for sample in state.samples:
             if not sample.finished:
                 sample.finish_reason = "abort"
         return state.output(final=True), sample_ids

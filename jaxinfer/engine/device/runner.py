@@ -213,6 +213,19 @@ class RunnerOutput:
     speculated: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
+class RequestsFailedError(Exception):
+    """Packing a step's inputs failed because of some requests alone (each fails when packed
+    by itself); the step can run without them.
+
+    Attributes:
+        errors: The failing requests' scheduler ids and what each raised.
+    """
+
+    def __init__(self, errors: dict[str, Exception]) -> None:
+        super().__init__(f"packing the step failed for requests {sorted(errors)}")
+        self.errors = errors
+
+
 def bucket_for(size: int, buckets: Sequence[int]) -> int:
     """The smallest bucket that holds `size`.
 
@@ -575,13 +588,21 @@ class ModelRunner:
             `prompt_logprobs`, the logprobs of the prompt tokens this step's chunk predicts.
 
         Raises:
-            ValueError: As `prepare` and `step_kind`.
+            RequestsFailedError: Packing failed because of some requests alone (nothing ran, and
+                nothing was sent to the followers): the caller drops them and runs the rest.
+            ValueError: As `prepare` and `step_kind`, when no request alone is at fault.
         """
         if not sequences:
             return RunnerOutput({}, {})
         started = time.perf_counter()
-        kind = self.step_kind(sequences)
-        inputs = self.prepare(sequences)
+        try:
+            kind = self.step_kind(sequences)
+            inputs = self.prepare(sequences)
+        except Exception as error:
+            failing = self._failing_requests(sequences)
+            if not failing:
+                raise  # not one request's fault: the engine's own bug
+            raise RequestsFailedError(failing) from error
         prepared = time.perf_counter()
         result: StepOutputs = jax.device_get(self._launch(kind, inputs))
         self.seconds["prepare"] += prepared - started
@@ -608,6 +629,19 @@ class ModelRunner:
                     result.prompt_top_logprobs[rows])
             offset += len(sequence.token_ids)
         return RunnerOutput(sampled, prompt, speculated)
+
+    def _failing_requests(self, sequences: Sequence[ScheduledRequest]
+                          ) -> dict[str, Exception]:
+        """The requests that fail to pack even alone, with their errors (after packing the
+        whole step failed: this is the slow path, one small packing per request)."""
+        failing = {}
+        for sequence in sequences:
+            try:
+                self.step_kind([sequence])
+                self.prepare([sequence])
+            except Exception as error:  # whatever it raised is its failure
+                failing[sequence.request_id] = error
+        return failing
 
     def _draft_probs_without_drafts(self, num_seqs: int) -> np.ndarray | jax.Array:
         """The `[Q, R, V]` zeros a step without drafts passes for the drafter's distributions,
