@@ -78,6 +78,12 @@ def register(subparsers: argparse._SubParsersAction,
                             "/v1/chat/completions; default: the tokenizer's")
     serve.add_argument("--grace-period", type=float, default=10.0,
                        help="seconds a stop waits for in-flight requests")
+    serve.add_argument("--max-request-seconds", type=float, default=600.0,
+                       help="abort a request still running after this many seconds "
+                            "(finish_reason 'abort'); 0: no limit")
+    serve.add_argument("--write-timeout-seconds", type=float, default=30.0,
+                       help="drop a streaming call (and abort its request) when one write "
+                            "waits this long for a client that stopped reading; 0: no limit")
     _add_engine_options(serve)
     distributed.add_arguments(serve)
     serve.set_defaults(handler=_run_serve)
@@ -165,8 +171,10 @@ def service_config_from_args(args: argparse.Namespace,
                              environ: Mapping[str, str] | None = None) -> ServiceConfig:
     """The `ServiceConfig` of `jaxinfer serve`'s options (and the API key's environment).
 
+    A timeout of 0 is no limit.
+
     Raises:
-        ValueError: Conflicting or unreadable API key options.
+        ValueError: Conflicting or unreadable API key options, or a negative timeout.
         FileNotFoundError: A --chat-template path that is gone (is_file raced).
     """
     from serve.access import resolve_api_key, split_list
@@ -178,7 +186,9 @@ def service_config_from_args(args: argparse.Namespace,
         api_key=resolve_api_key(args.api_key, args.api_key_file, environ),
         chat_template=_read_template(args.chat_template),
         allowed_hosts=split_list(args.allowed_hosts),
-        allowed_origins=split_list(args.allowed_origins) or ())
+        allowed_origins=split_list(args.allowed_origins) or (),
+        max_request_seconds=args.max_request_seconds or None,
+        write_timeout_seconds=args.write_timeout_seconds or None)
 
 
 def _read_template(value: str | None) -> str | None:

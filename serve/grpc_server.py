@@ -22,8 +22,12 @@ With an API key, every call except health and reflection (and JetStream's `Healt
 needs the metadata `authorization: Bearer KEY`. Errors: a `RequestError` (the engine's checks
 and the service's) is INVALID_ARGUMENT with a message starting with the field,
 `OverloadedError` RESOURCE_EXHAUSTED, `UnauthenticatedError` UNAUTHENTICATED,
-`EngineDeadError` UNAVAILABLE. A cancelled call or an expired deadline cancels the handler's
-task; the task leaves `service.generate`, which aborts the engine request and frees its pages.
+`EngineDeadError` UNAVAILABLE, `RequestFailedError` (the engine failed on this request alone)
+INTERNAL. A cancelled call or an expired deadline cancels the handler's task; the task leaves
+`service.generate`, which aborts the engine request and frees its pages. So does a client that
+stops reading a stream: once one `context.write` has waited `write_timeout_seconds` (flow
+control holds it), the call ends with DEADLINE_EXCEEDED. Health turns NOT_SERVING as soon as the
+engine loop dies (not at the next poll), before the server stops.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from serve.service import (
     InferenceService,
     InvalidRequestError,
     OverloadedError,
+    RequestFailedError,
+    SlowClientError,
     UnauthenticatedError,
 )
 
@@ -95,6 +101,10 @@ def _status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(error)
+    if isinstance(error, RequestFailedError):
+        return grpc.StatusCode.INTERNAL, str(error)
+    if isinstance(error, SlowClientError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
     return grpc.StatusCode.UNAVAILABLE, str(error)
 
 
@@ -103,7 +113,8 @@ async def _status_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[Non
     """Ends the call with the status of a service error raised inside the block."""
     try:
         yield
-    except (RequestError, OverloadedError, UnauthenticatedError, EngineDeadError) as error:
+    except (RequestError, OverloadedError, UnauthenticatedError, EngineDeadError,
+            RequestFailedError, SlowClientError) as error:
         code, details = _status_of(error)
         await context.abort(code, details)
 
@@ -228,7 +239,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         self._service.generate(prompt, params, engine_id)) as stream:
                     async for output in stream:
                         generated += sum(len(sample.token_ids) for sample in output.outputs)
-                        await context.write(_response(output, params, generated, shown_id))
+                        await self._service.write(context.write(
+                            _response(output, params, generated, shown_id)))
             except RequestError as error:
                 if error.field != "request_id":
                     raise
@@ -330,8 +342,8 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
                     if not started:
                         # After admission, so a refused request gets its error, not this.
                         started = True
-                        await context.write(js.DecodeResponse(
-                            initial_content=js.DecodeResponse.InitialContent()))
+                        await self._service.write(context.write(js.DecodeResponse(
+                            initial_content=js.DecodeResponse.InitialContent())))
                     new = {sample.index: sample for sample in output.outputs}
                     samples = [js.DecodeResponse.StreamContent.Sample(
                         text=new[index].text, token_ids=new[index].token_ids)
@@ -340,8 +352,8 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
                     # Every sample in every message, in order, as JetStream's clients index
                     # them; a step that changed nothing sends nothing.
                     if any(sample.text or sample.token_ids for sample in samples):
-                        await context.write(js.DecodeResponse(
-                            stream_content=js.DecodeResponse.StreamContent(samples=samples)))
+                        await self._service.write(context.write(js.DecodeResponse(
+                            stream_content=js.DecodeResponse.StreamContent(samples=samples))))
 
     async def HealthCheck(self, request: js.HealthCheckRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> js.HealthCheckResponse:
@@ -377,6 +389,12 @@ class ReadinessHealthServicer(health.aio.HealthServicer):
         """The current status (read now, not at the last poll)."""
         await self.refresh()
         return await super().Check(request, context)
+
+
+def _keep(task: asyncio.Future[Any]) -> None:
+    """Holds a background task until it is done (the event loop holds tasks weakly)."""
+    _background_tasks.add(task)
+    task.add_done_callback(_background_tasks.discard)
 
 
 async def _poll_readiness(servicer: ReadinessHealthServicer) -> NoReturn:
@@ -415,12 +433,19 @@ async def start_grpc_server(service: InferenceService, host: str, port: int
     bound = server.add_insecure_port(address)
     await server.start()
     await health_servicer.refresh()
+    loop = asyncio.get_running_loop()
+
+    def engine_stopped(_: Any) -> None:  # on the engine thread, as its loop ends
+        with contextlib.suppress(RuntimeError):  # the serving loop is closed already
+            loop.call_soon_threadsafe(
+                lambda: _keep(asyncio.ensure_future(health_servicer.refresh())))
+
+    service.engine.stopped.add_done_callback(engine_stopped)
     poller = asyncio.ensure_future(_poll_readiness(health_servicer))
     # The poller ends with the server (grpc.aio offers no stop hook, but this wait ends).
     terminated = asyncio.ensure_future(server.wait_for_termination())
     terminated.add_done_callback(lambda _: poller.cancel())
-    for task in (poller, terminated):  # the loop holds tasks weakly; keep them alive
-        _background_tasks.add(task)
-        task.add_done_callback(_background_tasks.discard)
+    for task in (poller, terminated):
+        _keep(task)
     logger.info("gRPC listening on %s", address.rsplit(":", 1)[0] + f":{bound}")
     return server, bound

@@ -7,7 +7,11 @@ Several prompts in one completions request (or n > 1) become several engine requ
 concurrently; their outputs are merged into one response whose choice index is
 `prompt_index * n + sample_index`, as OpenAI numbers them. The server runs with aiohttp's
 `handler_cancellation`, so a client that disconnects cancels its handler, which closes the
-engine streams (`contextlib.aclosing`) and so aborts the requests and frees their pages.
+engine streams (`contextlib.aclosing`) and so aborts the requests and frees their pages. A
+client that stays connected but stops reading is dropped the same way once a streamed write
+has waited `write_timeout_seconds` (`InferenceService.write`). Until then nothing piles up on
+the server: each prompt's engine stream holds one unread output, merged (see
+`jaxinfer.engine.async_engine`), and hands the next only once the handler took the previous.
 
 Not served: `echo` and `suffix` (completions) and tools (chat) are refused with a 400 naming
 the field rather than silently ignored; `user` is accepted and ignored.
@@ -53,6 +57,8 @@ from serve.service import (
     InferenceService,
     InvalidRequestError,
     OverloadedError,
+    RequestFailedError,
+    SlowClientError,
     UnauthenticatedError,
 )
 
@@ -148,6 +154,8 @@ async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResp
         return _error(429, str(error), kind="rate_limit_error")
     except EngineDeadError as error:
         return _error(503, str(error), kind="service_unavailable")
+    except RequestFailedError as error:  # the engine failed on this request alone
+        return _error(500, str(error), kind="server_error")
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -190,18 +198,23 @@ async def _merged(service: InferenceService, prompts: Sequence[Any],
                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Runs one engine request per prompt concurrently; yields (prompt index, output).
 
-    The engine requests are named `{request_id}-{prompt index}`. Closing this iterator (the
-    handler was cancelled, or one prompt failed) cancels every pump, and each pump's
-    `aclosing` aborts its engine request.
+    The engine requests are named `{request_id}-{prompt index}`. Each prompt's pump hands one
+    output over and waits until it is taken before reading the next, so at most one output
+    per prompt waits here; the outputs of the steps in between merge in the engine stream.
+    Closing this iterator (the handler was cancelled, or one prompt failed) cancels every
+    pump, and each pump's `aclosing` aborts its engine request.
     """
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput, asyncio.Event] | BaseException | None] = (
+        asyncio.Queue())
 
     async def pump(index: int, prompt: Any, sampling: SamplingParams) -> None:
         try:
             async with contextlib.aclosing(service.generate(
                     prompt, sampling, f"{request_id}-{index}")) as stream:
                 async for output in stream:
-                    queue.put_nowait((index, output))
+                    taken = asyncio.Event()
+                    queue.put_nowait((index, output, taken))
+                    await taken.wait()
             queue.put_nowait(None)
         except Exception as error:  # handed to the handler, which maps it to a status
             queue.put_nowait(error)
@@ -217,7 +230,9 @@ async def _merged(service: InferenceService, prompts: Sequence[Any],
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield item
+                index, output, taken = item
+                taken.set()  # the pump may fetch the next (merged) output meanwhile
+                yield index, output
     finally:
         for task in tasks:  # a disconnect or an error: abort every sibling request too
             task.cancel()
@@ -237,6 +252,7 @@ class _Endpoint:
         self.completion_tokens = 0  # every sample's generated tokens so far
         self.sent_text: dict[int, int] = {}  # choice index -> characters streamed
         self.outputs: dict[int, RequestOutput] = {}  # non-streamed: the deltas, accumulated
+        self.response: web.StreamResponse | None = None  # streamed: once it is started
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         """OpenAI's (and vLLM's) numbering of choices across prompts and samples."""
@@ -311,42 +327,61 @@ class _Endpoint:
             return web.json_response(protocol.envelope(
                 self.kind, request_id, self.service.model_name, self.full_choices(),
                 self.usage()))
+        try:
+            return await self._stream(request, stream, request_id)
+        except SlowClientError as error:
+            # Its socket buffer is full, so nothing more can reach it, not even an error:
+            # drop the connection (the stream is closed already, which aborted the requests).
+            # aiohttp then finds the transport gone when it ends the response, as it does
+            # for a client that disconnected.
+            logger.warning("stream %s: %s", request_id, error)
+            if request.transport is not None:
+                request.transport.abort()
+            assert self.response is not None  # only a streamed write times out
+            return self.response
+
+    async def _stream(self, request: web.Request, stream: AsyncIterator[tuple[int, Any]],
+                      request_id: str) -> web.StreamResponse:
+        """`respond` for `stream: true`: the SSE stream, every write bounded in time."""
         chunk_kind = "chat.completion.chunk" if self.parsed.chat else "text_completion"
         response: web.StreamResponse | None = None
         failed = False
+        send = functools.partial(_send, self.service)
         async with contextlib.aclosing(stream):
             try:
                 async for prompt_index, output in stream:
                     if response is None:  # headers once the engine accepted the request
-                        response = web.StreamResponse(headers={
+                        response = self.response = web.StreamResponse(headers={
                             "content-type": "text/event-stream", "cache-control": "no-cache"})
-                        await response.prepare(request)
+                        await self.service.write(response.prepare(request))
                     self.count(prompt_index, output)
                     choices = self.delta_choices(prompt_index, output)
                     if choices:
-                        await _send(response, protocol.envelope(
+                        await send(response, protocol.envelope(
                             chunk_kind, request_id, self.service.model_name, choices))
             except Exception as error:
                 if response is None or isinstance(error, ConnectionError):
                     raise  # nothing sent yet: the middleware answers with a status
-                # The status line is gone (e.g. one prompt of a batch was refused, or the
-                # engine died): an error event tells the client, which raises it (openai's
-                # client raises APIError on a chunk holding "error").
+                # The status line is gone (e.g. one prompt of a batch was refused, the engine
+                # failed on it, or the engine died): an error event tells the client, which
+                # raises it (openai's client raises APIError on a chunk holding "error").
                 logger.warning("stream %s failed: %r", request_id, error)
                 failed = True
-                await _send(response, protocol.error_body(str(error), 500, None,
-                                                          "server_error"))
+                await send(response, protocol.error_body(str(error), 500, None,
+                                                         "server_error"))
         assert response is not None  # every engine request yields at least its final output
         if self.parsed.include_usage and not failed:
-            await _send(response, protocol.envelope(chunk_kind, request_id,
-                                                    self.service.model_name, [], self.usage()))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            await send(response, protocol.envelope(chunk_kind, request_id,
+                                                   self.service.model_name, [], self.usage()))
+        await self.service.write(response.write(b"data: [DONE]\n\n"))
+        await self.service.write(response.write_eof())
         return response
 
 
-async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
-    await response.write(f"data: {json.dumps(body)}\n\n".encode())
+async def _send(service: InferenceService, response: web.StreamResponse,
+                body: dict[str, Any]) -> None:
+    """Writes one SSE event, within the service's write timeout."""
+    await service.write(response.write(f"data: {json.dumps(body)}\n\n".encode()))
 
 
 def _params_for(service: InferenceService, parsed: protocol.ParsedRequest,

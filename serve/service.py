@@ -19,6 +19,13 @@ requests already running never notice.
 
 The servers ask for `RequestOutputKind.DELTA` outputs and stream them as they come.
 
+Two timeouts bound what one request can hold (`ServiceConfig`): `max_request_seconds` aborts
+a request that runs longer (its last output has finish_reason "abort"), and
+`write_timeout_seconds` bounds each streamed write (`write`): a client that stops reading
+fills its socket buffer, the write cannot complete, and the front end drops the call, which
+aborts the request and frees its pages. A request the engine failed on alone (its output
+carries an `error`) raises `RequestFailedError` from `generate`; the others carry on.
+
 Admission is a bound on sequences that have not yet been admitted to the engine's running set
 (a request with n samples counts n): when `max_queued_requests` are already waiting, a new one
 is refused at once rather than queued behind minutes of work (the client can retry elsewhere).
@@ -31,10 +38,11 @@ import contextlib
 import dataclasses
 import hmac
 import itertools
+import logging
 import types
 import typing
 from collections import abc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 from jaxinfer.engine.async_engine import AsyncEngine
@@ -56,6 +64,19 @@ class OverloadedError(RuntimeError):
 
 class UnauthenticatedError(PermissionError):
     """The call lacks the server's API key."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request alone (a server error, HTTP 500 / gRPC INTERNAL);
+    every other request carries on."""
+
+
+class SlowClientError(ConnectionError):
+    """A streamed write did not complete within `write_timeout_seconds`: the client stopped
+    reading. The front end drops the connection (nobody can be told)."""
+
+
+logger = logging.getLogger("jaxinfer.serve")
 
 
 # SamplingParams fields a server does not let a request set (it decides them itself).
@@ -116,6 +137,11 @@ class ServiceConfig:
         allowed_hosts: HTTP `Host` names served (`serve.access`); None: the loopback names
             when bound to loopback, any host otherwise.
         allowed_origins: Browser origins allowed to call over HTTP; none by default.
+        max_request_seconds: A request still running this long after it arrived is aborted
+            (finish_reason "abort"); None: no limit.
+        write_timeout_seconds: Longest wait for one streamed write (HTTP chunk, gRPC
+            message) to be taken by the client before the call is dropped and its request
+            aborted; None: no limit.
     """
 
     model_name: str
@@ -124,6 +150,14 @@ class ServiceConfig:
     chat_template: str | None = None
     allowed_hosts: tuple[str, ...] | None = None
     allowed_origins: tuple[str, ...] = ()
+    max_request_seconds: float | None = 600.0
+    write_timeout_seconds: float | None = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_seconds", "write_timeout_seconds"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} = {value!r}: must be > 0 (or None: no limit)")
 
 
 class InferenceService:
@@ -142,6 +176,7 @@ class InferenceService:
         self._not_admitted = 0  # requests inside generate() that have produced nothing yet
         # The engine's own request checks (stateless, so usable on the serving thread).
         self._inputs = InputProcessor(engine.model_config, engine.config, engine.tokenizer)
+        self._expiring: set[asyncio.Future[Any]] = set()  # aborts of requests out of time
 
     # ------------------------------------------------------------------ facts
 
@@ -325,16 +360,42 @@ class InferenceService:
         """
         return CLIENT_ID_PREFIX + given
 
+    async def write(self, write: Awaitable[Any]) -> Any:
+        """Awaits one streamed write (a front end's send), within `write_timeout_seconds`.
+
+        Raises:
+            SlowClientError: The write did not complete in time (it is cancelled).
+        """
+        timeout = self.config.write_timeout_seconds
+        if timeout is None:
+            return await write
+        try:
+            return await asyncio.wait_for(write, timeout)
+        except TimeoutError:
+            raise SlowClientError(f"the client took no data for {timeout:g} s (it stopped "
+                                  "reading); the call is dropped") from None
+
+    def _expire(self, request_id: str) -> None:
+        """Aborts a request that reached `max_request_seconds`."""
+        logger.warning("request %s ran for max_request_seconds = %g: aborted", request_id,
+                       self.config.max_request_seconds)
+        abort = asyncio.ensure_future(self.engine.abort(request_id))
+        self._expiring.add(abort)  # the loop holds tasks weakly
+        abort.add_done_callback(self._expiring.discard)
+
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Serves one checked request; yields its outputs, records its metrics.
 
         The outputs are what `params.output_kind` asks for (DELTA from `sampling_params`).
-        Leaving the iteration early (cancellation, disconnect) aborts it and frees its pages.
+        Leaving the iteration early (cancellation, disconnect) aborts it and frees its pages;
+        so does running past `max_request_seconds` (the last output's finish_reason is then
+        "abort").
 
         Raises:
             OverloadedError: `max_queued_requests` requests are already waiting.
             RequestError: The engine refused the request (nothing was queued).
+            RequestFailedError: The engine failed on this request alone.
             EngineDeadError: The engine is not running.
         """
         # Counted in sequences: a request with n samples waits as n scheduler requests.
@@ -351,6 +412,10 @@ class InferenceService:
         generated = 0  # tokens generated so far, every sample
         reasons: dict[int, str | None] = {}  # sample index -> its finish reason
         last: RequestOutput | None = None
+        failed = False
+        deadline = None if self.config.max_request_seconds is None else (
+            asyncio.get_running_loop().call_later(self.config.max_request_seconds,
+                                                  self._expire, request_id))
         try:
             try:
                 # aclosing: a consumer that stops early must abort the engine request now,
@@ -362,6 +427,9 @@ class InferenceService:
                             admitted = True
                             self._not_admitted -= params.n
                         last = output
+                        if output.error is not None:
+                            failed = True
+                            raise RequestFailedError(output.error)
                         new = sum(len(sample.token_ids) for sample in output.outputs)
                         generated = generated + new if delta else new
                         reasons.update((sample.index, sample.finish_reason)
@@ -373,13 +441,16 @@ class InferenceService:
                 self.metrics.reject("invalid")
                 raise
         finally:
+            if deadline is not None:
+                deadline.cancel()
             if not admitted:
                 self._not_admitted -= params.n
             if last is None and not rejected:
                 timer.finish("abort", 0)  # cancelled before its first output
             if last is not None:
                 given = set(reasons.values())
-                reason = "abort" if not last.finished or "abort" in given else (
+                reason = "error" if failed else "abort" if (
+                    not last.finished or "abort" in given) else (
                     sorted(reason for reason in given if reason)[0] if any(given)
                     else "abort")
                 timer.finish(reason, len(last.prompt_token_ids))

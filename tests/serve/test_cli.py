@@ -95,3 +95,13 @@ def test_conflicting_key_options_fail_before_the_model_loads(tmp_path, capsys):
                           "--api-key-file", str(key_file)])
     assert code == 2
     assert "--api-key or --api-key-file, not both" in capsys.readouterr().err
+
+
+def test_the_timeout_flags_reach_the_service_config():
+    default = service_config_from_args(_serve_args(), environ={})
+    assert (default.max_request_seconds, default.write_timeout_seconds) == (600.0, 30.0)
+    given = service_config_from_args(_serve_args(
+        "--max-request-seconds", "5", "--write-timeout-seconds", "0"), environ={})
+    assert (given.max_request_seconds, given.write_timeout_seconds) == (5.0, None)
+    with pytest.raises(ValueError, match="max_request_seconds"):
+        service_config_from_args(_serve_args("--max-request-seconds", "-1"), environ={})
