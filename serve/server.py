@@ -5,6 +5,12 @@
 loopback unless told otherwise, and on SIGTERM/SIGINT a graceful stop: refuse new calls, let
 in-flight requests finish within the grace period, abort the rest, exit 0.
 
+A server whose engine dies fails loudly rather than answering 503 forever: health turns
+NOT_SERVING at once (gRPC health and HTTP /health), the requests in flight are answered with
+the engine's error, the same graceful stop runs, and `run()` returns 1, so `jaxinfer serve`
+exits 1 and a supervisor restarts it (a multi-host leader also aborts the step channel then,
+so the followers exit too).
+
 `BackgroundServer` runs the same `Server` on its own event loop in a thread, for tests and
 notebooks:
 
@@ -97,19 +103,39 @@ class Server:
         await asyncio.to_thread(self.service.engine.shutdown)  # aborts what is left
 
     async def run(self) -> int:
-        """Serves until SIGTERM or SIGINT, then stops gracefully; returns the exit code 0."""
+        """Serves until SIGTERM or SIGINT, or until the engine stops serving; then stops
+        gracefully.
+
+        Returns:
+            The exit code: 0 after a stop signal, 1 when the engine died (or stopped on its
+            own) first.
+        """
         await self.start()
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop_requested.set)
+        if threading.current_thread() is threading.main_thread():  # signals reach it only
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, stop_requested.set)
         print(f"jaxinfer: serving {self.service.model_name} (gRPC {self.address.host}:"
               f"{self.grpc_port}, HTTP {self.address.host}:{self.http_port}); ready",
               flush=True)
-        await stop_requested.wait()
-        print("jaxinfer: stopping (finishing in-flight requests)", flush=True)
+        signalled = asyncio.ensure_future(stop_requested.wait())
+        # Never cancelled: cancelling it would cancel the engine's own future.
+        engine_stopped = asyncio.wrap_future(self.service.engine.stopped)
+        await asyncio.wait({signalled, engine_stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not engine_stopped.done():
+            signalled.cancel()
+            print("jaxinfer: stopping (finishing in-flight requests)", flush=True)
+            await self.stop()
+            return 0
+        signalled.cancel()
+        error = engine_stopped.result()
+        logger.error("the engine stopped serving (%r): answering the requests in flight, "
+                     "then exiting with status 1", error)
+        print(f"jaxinfer: the engine stopped serving ({error!r}); exiting with status 1",
+              flush=True)
         await self.stop()
-        return 0
+        return 1
 
 
 class BackgroundServer:

@@ -27,7 +27,9 @@ next read returns everything it missed in one item, and a stream holds O(unread 
 whatever the number of steps. A bad request raises `ValueError` from `generate`
 before anything is yielded or queued and every other request carries on; an error inside the
 engine loop itself is raised in every open stream and leaves the engine `errored` (a server's
-health check).
+health check); `stopped`, a future settled as the loop ends (with that error, or None after a
+shutdown), lets a server notice at once and exit. A request the engine fails on alone (see
+`jaxinfer.engine.core`) is no engine error: its stream ends with an output whose `error` is set.
 """
 
 from __future__ import annotations
@@ -162,6 +164,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        # Settled once the engine stops serving for good (shut down or failed): its result is
+        # the error, or None. A server watches it to fail loudly.
+        self.stopped: concurrent.futures.Future[BaseException | None] = (
+            concurrent.futures.Future())
         self.warm_up_seconds: float | None = None
 
     @classmethod
@@ -393,6 +399,9 @@ class AsyncEngine:
         """Stops taking commands, answers those left, ends every open stream with `error`."""
         with self._submit_lock:
             self._closed = True
+        if not self.stopped.done():
+            # First, so that watchers (a server's health) hear of it before the streams do.
+            self.stopped.set_result(self.error)
         self._apply_commands(block=False)  # adds now raise EngineDeadError; aborts still work
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
