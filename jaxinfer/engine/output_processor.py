@@ -98,11 +98,15 @@ class SampleState:
     @property
     def text(self) -> str:
         """The text so far; while unfinished, without the tail a stop string might claim."""
+        return self._text[:self._shown()]
+
+    def _shown(self) -> int:
+        """How many characters of the text may be shown now."""
         if self.finished or not self._hold_back:
-            return self._text
+            return len(self._text)
         # The last len(longest stop) - 1 characters may be the start of a stop string that
         # the next tokens complete; showing them now could mean taking them back later.
-        return self._text[:max(0, len(self._text) - self._hold_back)]
+        return max(0, len(self._text) - self._hold_back)
 
     def add(self, new_token_ids: Sequence[int], finish_reason: str | None = None,
             logprobs: Sequence[dict[int, float]] | None = None) -> bool:
@@ -156,13 +160,13 @@ class SampleState:
 
     def delta(self) -> CompletionOutput | None:
         """What is new since the previous delta (None when nothing is)."""
-        text = self.text
-        new_text = text[self._sent_text:]
+        shown = self._shown()
+        new_text = self._text[self._sent_text:shown]  # O(new text): no copy of the rest
         start = self._sent_tokens
         finishing = self.finished and not self._sent_finish
         if not (new_text or len(self.token_ids) > start or finishing):
             return None
-        self._sent_text, self._sent_tokens = len(text), len(self.token_ids)
+        self._sent_text, self._sent_tokens = shown, len(self.token_ids)
         self._sent_finish = self.finished
         return CompletionOutput(self.index, new_text, self.token_ids[start:], self.finish_reason,
                                 self.stop_reason,
