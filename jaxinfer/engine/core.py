@@ -406,6 +406,7 @@ class Engine:
                 for sample_id, error in failure.errors.items():
                     request_id = self.output_processor.parent_of(sample_id)
                     if request_id is None:  # a sibling sample's failure already ended it
+                        self.scheduler.abort_request(sample_id)  # (a no-op then)
                         continue
                     logger.error("request %r failed; the others carry on", request_id,
                                  exc_info=error)

@@ -68,8 +68,10 @@ def test_the_http_fan_in_holds_one_output_per_prompt_for_a_paused_reader():
     params = [service.sampling_params({"max_tokens": 40, "ignore_eos": True,
                                        "temperature": 0.0}, len(prompt)) for prompt in prompts]
 
-    async def read(request_id: str, pause: bool) -> tuple[dict[int, list[int]], int]:
+    async def read(request_id: str, pause: bool) -> tuple[dict[int, tuple], int]:
+        """Each prompt's (token ids, text), and the items read after the pause."""
         tokens: dict[int, list[int]] = {0: [], 1: []}
+        texts = {0: "", 1: ""}
         after_pause = 0
         stream = _merged(service, prompts, params, request_id)
         async for index, output in stream:
@@ -79,7 +81,8 @@ def test_the_http_fan_in_holds_one_output_per_prompt_for_a_paused_reader():
                     await asyncio.sleep(0.01)
             after_pause += pause
             tokens[index] += output.outputs[0].token_ids
-        return tokens, after_pause
+            texts[index] += output.outputs[0].text
+        return {index: (tokens[index], texts[index]) for index in tokens}, after_pause
 
     try:
         prompt_read, _ = asyncio.run(read("prompt", pause=False))
@@ -89,7 +92,8 @@ def test_the_http_fan_in_holds_one_output_per_prompt_for_a_paused_reader():
     # The 2 x 40 steps' outputs came as at most 2 items per prompt (one waiting in the fan-in,
     # the rest merged in the engine stream), plus the one read before the pause.
     assert read_after_pause <= 1 + 2 * len(prompts)
-    assert paused == prompt_read and all(len(tokens) == 40 for tokens in paused.values())
+    assert paused == prompt_read  # the same tokens and text
+    assert all(len(tokens) == 40 and text for tokens, text in paused.values())
 
 
 @pytest.fixture(scope="module")
