@@ -293,8 +293,10 @@ class ProcessedStep(NamedTuple):
 
 
 def describe_failure(error: BaseException) -> str:
-    """The message a request that failed on `error` reports (its `RequestOutput.error`)."""
-    return f"the engine failed on this request: {type(error).__name__}: {error}"
+    """The message a request that failed on `error` reports (its `RequestOutput.error`): the
+    kind of failure, not its text, which may quote server internals (the log has it all)."""
+    return (f"the engine failed on this request ({type(error).__name__}); the others carry "
+            "on, and the server log has the details")
 
 
 class OutputProcessor:

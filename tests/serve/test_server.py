@@ -92,6 +92,7 @@ def test_a_request_the_engine_fails_on_gets_an_error_and_the_others_run_on(serve
     # The streamed one got its first tokens, then its error as an event, then [DONE].
     assert failed[0]["choices"][0]["finish_reason"] is None
     assert "engine failed on this request" in failed[-2]["error"]["message"]
+    assert "poisoned" not in failed[-2]["error"]["message"]  # internals stay in the log
     assert failed[-1] == "[DONE]"
     text = "".join(event["choices"][0]["text"] for event in good[:-1] if event["choices"])
     assert good[-1] == "[DONE]" and good[-2]["choices"][0]["finish_reason"] == "length"

@@ -113,7 +113,7 @@ def test_an_http_stream_that_is_never_read_is_dropped_and_its_pages_freed(impati
     handler.transport.get_extra_info("socket").setsockopt(
         socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     body = json.dumps({**HEAVY, "stream": True}).encode()
-    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                  b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     _wait_for(lambda: service.engine.num_unfinished_requests > 0)
     # Meanwhile an ordinary request is served in full.
