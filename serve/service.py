@@ -370,7 +370,9 @@ class InferenceService:
         if timeout is None:
             return await write
         try:
-            return await asyncio.wait_for(write, timeout)
+            # A timeout scope rather than wait_for: no task per write (one per streamed chunk).
+            async with asyncio.timeout(timeout):
+                return await write
         except TimeoutError:
             raise SlowClientError(f"the client took no data for {timeout:g} s (it stopped "
                                   "reading); the call is dropped") from None
