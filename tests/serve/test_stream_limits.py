@@ -113,8 +113,9 @@ def test_an_http_stream_that_is_never_read_is_dropped_and_its_pages_freed(impati
     handler.transport.get_extra_info("socket").setsockopt(
         socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     body = json.dumps({**HEAVY, "stream": True}).encode()
-    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
     _wait_for(lambda: service.engine.num_unfinished_requests > 0)
     # Meanwhile an ordinary request is served in full.
     normal = {"prompt": [1, 5, 9], "max_tokens": 8, "ignore_eos": True, "temperature": 0.0}
