@@ -73,3 +73,28 @@ def test_api_key(service):
     non_ascii.check_api_key("Bearer cl\xe9")
     with pytest.raises(UnauthenticatedError):
         non_ascii.check_api_key("Bearer cle")
+
+
+def test_admission_counts_the_samples_of_a_request():
+    # A request with n samples waits as n sequences: with room for 4, n = 5 is refused at
+    # once (it counted as one before), n = 4 is admitted.
+    import asyncio
+
+    from jaxinfer.engine.sampling_params import SamplingParams
+    from serve.service import OverloadedError
+
+    service = make_service(max_queued_requests=4)
+
+    async def first_output(n: int) -> None:
+        params = service.sampling_params({"n": n, "max_tokens": 2}, 3)
+        async for _ in service.generate([1, 2, 3], params, f"n{n}"):
+            return
+
+    service.engine.start()
+    try:
+        with pytest.raises(OverloadedError, match="adds 5"):
+            asyncio.run(first_output(5))
+        asyncio.run(first_output(4))
+        assert isinstance(service.sampling_params({"n": 4}, 3), SamplingParams)
+    finally:
+        service.engine.shutdown()

@@ -394,6 +394,29 @@ def test_abort_frees_pages_in_prefill_in_decode_and_while_waiting():
         "decoding", "prefilling", "waiting"]
 
 
+def test_abort_requests_takes_many_at_once_running_and_waiting():
+    # The n samples of one request are aborted in one pass over the queues (one by one it was
+    # O(n^2) in deque.remove); the requests left keep their order.
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_num_seqs=4)
+    model = PagedFakeModel(scheduler)
+    requests = [Request(f"r{i}", [1 + i, 2, 3], max_tokens=8) for i in range(10)]
+    for request in requests:
+        scheduler.add_request(request)
+    run_step(scheduler, model)
+    assert [r.request_id for r in scheduler.running] == ["r0", "r1", "r2", "r3"]
+    gone = ["r1", "r3", "r4", "r8", "r8", "never-added"]
+    assert scheduler.abort_requests(gone) == ["r1", "r3", "r4", "r8"]
+    assert [r.request_id for r in scheduler.running] == ["r0", "r2"]
+    assert [r.request_id for r in scheduler.waiting] == ["r5", "r6", "r7", "r9"]
+    assert all(requests[i].status is RequestStatus.FINISHED_ABORTED for i in (1, 3, 4, 8))
+    assert scheduler.abort_requests([]) == []
+    run_to_completion(scheduler, [], model)  # the same pages
+    for i in (0, 2, 5, 6, 7, 9):
+        assert requests[i].status is RequestStatus.FINISHED_LENGTH
+        assert len(requests[i].output_token_ids) == 8
+    assert _pool_is_full(scheduler)
+
+
 def test_abort_between_schedule_and_update_drops_the_late_tokens():
     scheduler = make_scheduler()
     model = PagedFakeModel(scheduler)
