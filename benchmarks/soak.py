@@ -23,10 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
-PROMPTS = ("The list type is", "To open a file, use the", "A dictionary maps", "Python is")
-MAX_TOKENS = (8, 24)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=180.0)
@@ -35,21 +31,12 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/reliability.md"))
     args = parser.parse_args()
 
-    from jaxinfer.engine.sampling_params import SamplingParams
     from jaxinfer.llm import LLM
     from serve.server import BackgroundServer
-    from serve.soak import SoakConfig, process_rss_bytes, run_soak
+    from serve.soak import SoakConfig, greedy_references, process_rss_bytes, run_soak
     from tests.serve.conftest import ENGINE_OPTIONS, make_service, pool_is_full
 
-    llm = LLM("builtin:demo", **ENGINE_OPTIONS)
-    references = {}
-    for max_tokens in MAX_TOKENS:
-        outputs = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0,
-                                                             max_tokens=max_tokens))
-        for prompt, output in zip(PROMPTS, outputs, strict=True):
-            references[(prompt, max_tokens)] = (output.outputs[0].text,
-                                                list(output.outputs[0].token_ids))
-    del llm
+    references = greedy_references(LLM("builtin:demo", **ENGINE_OPTIONS))
     config = SoakConfig(duration_s=args.duration, streams=args.streams,
                         slow_readers=args.slow_readers)
     service = make_service(max_queued_requests=10_000)

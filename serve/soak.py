@@ -135,6 +135,25 @@ class SoakReport:
         return found
 
 
+# The prompts and output lengths the soak's requests are drawn from (the demo model's domain).
+PROMPTS = ("The list type is", "To open a file, use the", "A dictionary maps", "Python is")
+MAX_TOKENS = (8, 24)
+
+
+def greedy_references(llm: Any, prompts: Sequence[str] = PROMPTS,
+                      max_tokens: Sequence[int] = MAX_TOKENS) -> dict[tuple[str, int],
+                                                                   tuple[str, list[int]]]:
+    """The offline greedy outputs (`LLM.generate`) of every (prompt, max_tokens) pair."""
+    from jaxinfer.engine.sampling_params import SamplingParams
+
+    found = {}
+    for length in max_tokens:
+        outputs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=length))
+        for prompt, output in zip(prompts, outputs, strict=True):
+            found[(prompt, length)] = (output.outputs[0].text, list(output.outputs[0].token_ids))
+    return found
+
+
 def process_rss_bytes(pid: int | str = "self") -> int:
     """The resident set size of a process (Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

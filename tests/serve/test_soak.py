@@ -13,28 +13,17 @@ import time
 
 import pytest
 
-from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.llm import LLM
 from serve.server import BackgroundServer
-from serve.soak import SoakConfig, process_rss_bytes, run_soak
+from serve.soak import SoakConfig, greedy_references, process_rss_bytes, run_soak
 from tests.serve.conftest import ENGINE_OPTIONS, make_service, pool_is_full
 
-PROMPTS = ("The list type is", "To open a file, use the", "A dictionary maps", "Python is")
-MAX_TOKENS = (8, 24)
 MAX_RSS_GROWTH = 128 * 2 ** 20
 
 
 @pytest.fixture(scope="module")
 def references():
-    llm = LLM("builtin:demo", **ENGINE_OPTIONS)
-    found = {}
-    for max_tokens in MAX_TOKENS:
-        outputs = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0,
-                                                             max_tokens=max_tokens))
-        for prompt, output in zip(PROMPTS, outputs, strict=True):
-            found[(prompt, max_tokens)] = (output.outputs[0].text,
-                                           list(output.outputs[0].token_ids))
-    return found
+    return greedy_references(LLM("builtin:demo", **ENGINE_OPTIONS))
 
 
 def _soak(references, config: SoakConfig) -> None:
