@@ -142,6 +142,8 @@ class ServiceConfig:
         write_timeout_seconds: Longest wait for one streamed write (HTTP chunk, gRPC
             message) to be taken by the client before the call is dropped and its request
             aborted; None: no limit.
+        vllm_metrics: `/metrics` also exports vLLM's names (`vllm:*`, vLLM's labels) beside
+            ours, so dashboards built for vLLM work unchanged (`serve.metrics`).
     """
 
     model_name: str
@@ -152,6 +154,7 @@ class ServiceConfig:
     allowed_origins: tuple[str, ...] = ()
     max_request_seconds: float | None = 600.0
     write_timeout_seconds: float | None = 30.0
+    vllm_metrics: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_request_seconds", "write_timeout_seconds"):
@@ -171,7 +174,9 @@ class InferenceService:
     def __init__(self, engine: AsyncEngine, config: ServiceConfig) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = ServingMetrics(engine.stats, config.model_name)
+        self.metrics = ServingMetrics(engine.stats, config.model_name,
+                                      vllm_names=config.vllm_metrics,
+                                      max_model_len=engine.max_model_len)
         self._ids = itertools.count()
         self._not_admitted = 0  # requests inside generate() that have produced nothing yet
         # The engine's own request checks (stateless, so usable on the serving thread).
@@ -407,11 +412,9 @@ class InferenceService:
             raise OverloadedError(f"the server is overloaded: {waiting} sequences are waiting "
                                   f"and this request adds {params.n} (limit "
                                   f"{self.config.max_queued_requests}); retry later")
-        timer = self.metrics.start_request()
+        timer = self.metrics.start_request(params)
         self._not_admitted += params.n
         admitted = rejected = False
-        delta = params.output_kind is RequestOutputKind.DELTA
-        generated = 0  # tokens generated so far, every sample
         reasons: dict[int, str | None] = {}  # sample index -> its finish reason
         last: RequestOutput | None = None
         failed = False
@@ -432,11 +435,9 @@ class InferenceService:
                         if output.error is not None:
                             failed = True
                             raise RequestFailedError(output.error)
-                        new = sum(len(sample.token_ids) for sample in output.outputs)
-                        generated = generated + new if delta else new
                         reasons.update((sample.index, sample.finish_reason)
                                        for sample in output.outputs)
-                        timer.tokens(generated)
+                        timer.output(output)
                         yield output
             except RequestError:
                 rejected = True
