@@ -2,7 +2,7 @@
 
     jaxinfer serve --model builtin:demo [--host 127.0.0.1] [--grpc-port 50051]
                    [--http-port 8000] [--api-key-file PATH] [--allowed-hosts H,...]
-                   [--allowed-origins O,...] [engine options]
+                   [--allowed-origins O,...] [--no-vllm-metrics] [engine options]
     jaxinfer bench serve --backend openai|grpc --port 8000 [--request-rate 4]
                          [--num-prompts 64] [--max-concurrency 16]
 
@@ -84,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction,
     serve.add_argument("--write-timeout-seconds", type=float, default=30.0,
                        help="drop a streaming call (and abort its request) when one write "
                             "waits this long for a client that stopped reading; 0: no limit")
+    serve.add_argument("--vllm-metrics", action=argparse.BooleanOptionalAction, default=True,
+                       help="/metrics also exports vLLM's metric names (vllm:*, with vLLM's "
+                            "labels) beside jaxinfer:*, so Grafana dashboards built for vLLM "
+                            "work unchanged; --no-vllm-metrics exports jaxinfer:* only")
     _add_engine_options(serve)
     distributed.add_arguments(serve)
     serve.set_defaults(handler=_run_serve)
@@ -188,7 +192,8 @@ def service_config_from_args(args: argparse.Namespace,
         allowed_hosts=split_list(args.allowed_hosts),
         allowed_origins=split_list(args.allowed_origins) or (),
         max_request_seconds=args.max_request_seconds or None,
-        write_timeout_seconds=args.write_timeout_seconds or None)
+        write_timeout_seconds=args.write_timeout_seconds or None,
+        vllm_metrics=args.vllm_metrics)
 
 
 def _read_template(value: str | None) -> str | None:
