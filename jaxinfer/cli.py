@@ -588,4 +588,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m jaxinfer.cli`: run the module the plugins import (`jaxinfer.cli`), not this
+    # `__main__` copy of it, whose classes (`--config`'s signal) would be others.
+    from jaxinfer.cli import main as canonical_main
+
+    sys.exit(canonical_main())

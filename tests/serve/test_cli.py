@@ -31,12 +31,22 @@ from tests.jaxinfer.engine.test_config import CHANGED, toml_text
 
 
 @pytest.fixture(scope="module")
-def served():
-    server = ServerProcess("builtin:demo", "--max-num-seqs", "4", "--max-num-batched-tokens",
-                           "64", "--max-model-len", "128", "--no-prompt-logprobs",
-                           "--grace-period", "3", ready_timeout_s=600, capture_output=True)
+def served(tmp_path_factory):
+    # Most options from a config file, as a deployment would; the flag beats the file's 16.
+    config = tmp_path_factory.mktemp("serve") / "serve.toml"
+    config.write_text("max_num_seqs = 16\nmax_num_batched_tokens = 64\nmax_model_len = 128\n"
+                      "enable_prompt_logprobs = false\ngrace_period = 3\n")
+    server = ServerProcess("builtin:demo", "--config", str(config), "--max-num-seqs", "4",
+                           ready_timeout_s=600, capture_output=True)
     with server:
         yield server
+
+
+def test_the_server_runs_with_its_config_file(served):
+    with urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}/v1/models",
+                                timeout=30) as response:
+        [model] = json.load(response)["data"]
+    assert model["max_model_len"] == 128  # the file's (the demo model's own is 1024)
 
 
 @pytest.mark.parametrize("backend", ["openai", "grpc"])
