@@ -13,7 +13,9 @@ one object `{"token_ids": [...], "text": "..."}` is printed for the generated pa
                            [--output-len 128] [--iterations 5] [--compare-hf]
 
 Both print a markdown table; `--output-json PATH` writes the numbers and `--markdown PATH`
-appends a report section (command, machine, date, numbers). See `jaxinfer.bench`.
+appends a report section (command, machine, date, numbers). See `jaxinfer.bench`. Both, and
+`jaxinfer serve`, take `--config FILE`: a TOML or YAML file of their options by dest name
+(`max_num_seqs = 64`); flags on the command line win over it (`add_config_argument`).
 
     jaxinfer quantize --model M --method rtn|gptq|smoothquant --bits 8|4|3
                       [--group-size G] [--asymmetric] [--calib FILE] --out DIR
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -180,6 +183,7 @@ def _add_bench_common(parser: argparse.ArgumentParser,
     peer.add_argument("--seed", type=int, default=0, help="seeds the prompts")
     peer.add_argument("--output-json", metavar="PATH", help="write the numbers as JSON")
     peer.add_argument("--markdown", metavar="PATH", help="append a markdown report section")
+    add_config_argument(parser)
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -394,6 +398,155 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- --config FILE
+
+
+class _ParseAgain(Exception):  # noqa: N818 (a signal to `parse_args`, not an error)
+    """Raised by `--config` once its file's options are the command's defaults."""
+
+
+class _ConfigFileAction(argparse.Action):
+    """`--config FILE`: the file's options become the command's parser defaults, and the
+    whole command line is parsed again (`parse_args`).
+
+    Defaults rather than inserted flags give the order vLLM's `--config` has, command line >
+    file > defaults, wherever `--config` stands among the flags; the file's values go through
+    each flag's own type and choices.
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        applied = parser.get_default(self.dest)
+        if applied is None:
+            try:
+                defaults = config_file_defaults(parser, values)
+            except ValueError as error:  # ConfigFileError: unknown key, bad value, bad file
+                parser.error(str(error))
+            for action in parser._actions:
+                if action.dest in defaults:  # `--model` may come from the file
+                    action.required = False
+            parser.set_defaults(**defaults, **{self.dest: values})
+            raise _ParseAgain
+        if values != applied:
+            parser.error(f"give one --config, not {applied} and {values}")
+        setattr(namespace, self.dest, values)
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds `--config FILE` to a command: its options in a TOML or YAML file.
+
+    The file's keys are the command's flags by dest name (`max_num_seqs = 64`,
+    `http_port = 8080`, a `[speculative]` table; dashes work as underscores); an unknown key or
+    a bad value is an argparse error naming the key and the file. Parse with `parse_args`.
+    """
+    parser.add_argument(
+        "--config", metavar="FILE", action=_ConfigFileAction, default=None,
+        help="read options from a TOML (.toml) or YAML (.yaml, .yml) file, by their dest "
+             "names (max_num_seqs = 64); flags given here override the file")
+
+
+def _config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """{config file key (the dest name): action} of a command's parser."""
+    return {action.dest: action for action in parser._actions
+            if action.dest not in ("help", "config", argparse.SUPPRESS)
+            and not isinstance(action, argparse._SubParsersAction)}
+
+
+def config_file_defaults(parser: argparse.ArgumentParser,
+                         path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's options as `parser`'s values, each through its flag's type and choices.
+
+    Raises:
+        ConfigFileError: The file cannot be read, or a key or a value is bad (naming both).
+    """
+    from jaxinfer.engine.config import ConfigFileError, check_config_keys, read_config_file
+
+    options = read_config_file(path)
+    actions = _config_actions(parser)
+    check_config_keys(path, options, actions)
+    defaults = {}
+    for name, value in options.items():
+        try:
+            defaults[name] = _config_value(actions[name], value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as error:
+            raise ConfigFileError(f"config file {path}: {name} = {value!r}: {error}") from None
+    return defaults
+
+
+def _config_value(action: argparse.Action, value: Any) -> Any:
+    """A config file value as the flag would have stored it.
+
+    A value is what would follow the flag: a number or a string, a list for a comma-separated
+    or multi-value flag, a table for a JSON flag (`speculative`), true/false for a switch;
+    null (YAML) stores None.
+    """
+    if action.nargs == 0:  # a switch: --flag / --no-flag, store_true
+        if not isinstance(value, bool):
+            raise ValueError("expected true or false")
+        return value
+    if value is None:
+        return None
+    if action.nargs in ("*", "+") or (isinstance(action.nargs, int) and action.nargs > 1):
+        return [_config_item(action, item)
+                for item in (value if isinstance(value, list) else [value])]
+    return _config_item(action, value)
+
+
+def _config_item(action: argparse.Action, value: Any) -> Any:
+    if isinstance(value, bool):  # str(True) would pass for a string flag
+        raise ValueError("expected a value, not true/false")
+    if isinstance(value, dict):
+        text = json.dumps(value)
+    elif isinstance(value, list):
+        text = ",".join(str(item) for item in value)
+    else:
+        text = str(value)
+    try:
+        result = action.type(text) if callable(action.type) else text
+    except ValueError:
+        if action.type in (int, float):  # rather than int()'s "invalid literal for ..."
+            raise ValueError("expected an integer" if action.type is int
+                             else "expected a number") from None
+        raise
+    if action.choices is not None and result not in action.choices:
+        raise ValueError(f"choose from {', '.join(map(repr, action.choices))}")
+    return result
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """`parser.parse_args(argv)` (default: `build_parser()`'s), with `--config` files read."""
+    parser = parser or build_parser()
+    try:
+        return parser.parse_args(argv)
+    except _ParseAgain:  # the command's parser now holds the file's options as defaults
+        return parser.parse_args(argv)
+
+
+def command_parser(*command: str, parser: argparse.ArgumentParser | None = None
+                   ) -> argparse.ArgumentParser:
+    """The parser of a (sub)command, e.g. `command_parser("bench", "latency")`.
+
+    Raises:
+        KeyError: No such command.
+    """
+    parser = parser or build_parser()
+    for name in command:
+        [subparsers] = [action for action in parser._actions
+                        if isinstance(action, argparse._SubParsersAction)]
+        parser = subparsers.choices[name]
+    return parser
+
+
+def config_file_keys(*command: str) -> frozenset[str]:
+    """The keys `jaxinfer COMMAND --config FILE` takes (e.g. `config_file_keys("serve")`).
+
+    Raises:
+        KeyError: No such command.
+    """
+    return frozenset(_config_actions(command_parser(*command)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="jaxinfer",
@@ -422,9 +575,9 @@ def _add_plugins(subparsers: argparse._SubParsersAction,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `jaxinfer` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.argv = argv
     try:
         return args.handler(args)
     except CommandError as error:
@@ -435,4 +588,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m jaxinfer.cli`: run the module the plugins import (`jaxinfer.cli`), not this
+    # `__main__` copy of it, whose classes (`--config`'s signal) would be others.
+    from jaxinfer.cli import main as canonical_main
+
+    sys.exit(canonical_main())

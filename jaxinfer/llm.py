@@ -60,12 +60,35 @@ def render_chat_prompt(tokenizer: Tokenizer, conversation: Sequence[Mapping[str,
             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
+def _with_config_file(path: str | os.PathLike[str], tokenizer: Any, dtype: str | None,
+                      engine_options: dict[str, Any]) -> tuple[Any, str | None, dict[str, Any]]:
+    """`LLM`'s tokenizer, dtype and engine options with a config file's beneath them."""
+    from jaxinfer.cli import config_file_keys
+    from jaxinfer.engine.config import check_config_keys, engine_option_names, read_config_file
+
+    options = read_config_file(path)
+    engine_names = set(engine_option_names())
+    try:  # a server's file (`jaxinfer serve --config`) may hold `host`, `http_port`, ...
+        server_names = config_file_keys("serve")
+    except KeyError:  # the serve package is not installed: there are no server options
+        server_names = frozenset()
+    check_config_keys(path, options, {*engine_names, "tokenizer", "dtype", *server_names})
+    return (options.get("tokenizer") if tokenizer is None else tokenizer,
+            options.get("dtype") if dtype is None else dtype,
+            {**{name: value for name, value in options.items() if name in engine_names},
+             **engine_options})
+
+
 class LLM:
     """A model and its engine, for offline generation from Python.
 
     Args:
         model: A Hugging Face checkpoint directory, `builtin:NAME` (e.g. `builtin:demo`), a
             jaxinfer checkpoint directory or `random:PRESET`.
+        config: A TOML or YAML config file of engine options (`jaxinfer serve --config`'s
+            file serves as is: `tokenizer` and `dtype` are read too, the server's own
+            options such as `host` are skipped, and any other key is an error). The keyword
+            arguments override it.
         tokenizer: Directory of the tokenizer files; None uses the model's directory.
         dtype: "float32" or "bfloat16" for parameters and compute; None keeps the
             checkpoint's.
@@ -79,13 +102,18 @@ class LLM:
             (`jaxinfer.engine.auto_config`).
 
     Raises:
-        ValueError: An unknown engine option (the valid ones are listed) or a bad value.
+        ValueError: An unknown engine option (the valid ones are listed) or a bad value;
+            `ConfigFileError` for an unreadable config file or a key it should not hold.
         FileNotFoundError: The model does not exist.
     """
 
     def __init__(self, model: str | os.PathLike[str], *,
+                 config: str | os.PathLike[str] | None = None,
                  tokenizer: str | os.PathLike[str] | None = None, dtype: str | None = None,
                  warm_up: bool = True, **engine_options: Any) -> None:
+        if config is not None:
+            tokenizer, dtype, engine_options = _with_config_file(config, tokenizer, dtype,
+                                                                 engine_options)
         self.model_name = str(model)
         overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
         engine_options = auto_engine_options(load_model_config(model, **overrides),

@@ -3,12 +3,14 @@
     jaxinfer serve --model builtin:demo [--host 127.0.0.1] [--grpc-port 50051]
                    [--http-port 8000] [--api-key-file PATH] [--allowed-hosts H,...]
                    [--allowed-origins O,...] [--no-vllm-metrics] [engine options]
+                   [--config FILE]
     jaxinfer bench serve --backend openai|grpc --port 8000 [--request-rate 4]
                          [--num-prompts 64] [--max-concurrency 16]
 
 jaxinfer never imports this package: the `jaxinfer.cli` entry point in pyproject.toml points
 `jaxinfer.cli` at `register`. Only argparse is imported at registration, so `jaxinfer --help`
-stays instant; the engine, grpc and aiohttp load when a command runs.
+stays instant; the engine, grpc and aiohttp load when a command runs. `--config FILE` holds any
+of `serve`'s options by dest name (`jaxinfer.cli.add_config_argument`); flags override it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction,
              bench_subparsers: argparse._SubParsersAction) -> None:
     """Adds `serve` and `bench serve` to the jaxinfer command line."""
+    from jaxinfer.cli import add_config_argument
+
     serve = subparsers.add_parser(
         "serve", help="serve a model over gRPC and an OpenAI-compatible HTTP API",
         description="Serve a model: gRPC (jaxinfer.v1.Inference, JetStream's Orchestrator, "
@@ -90,6 +94,7 @@ def register(subparsers: argparse._SubParsersAction,
                             "work unchanged; --no-vllm-metrics exports jaxinfer:* only")
     _add_engine_options(serve)
     distributed.add_arguments(serve)
+    add_config_argument(serve)
     serve.set_defaults(handler=_run_serve)
 
     from serve.bench_serve import add_arguments

@@ -3,6 +3,7 @@
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=32),
                           cache=CacheConfig(kv_cache_dtype="int8"))
     config = EngineConfig.from_options(max_num_seqs=32, kv_cache_dtype="int8")  # vLLM's flat names
+    config = EngineConfig.from_file("engine.toml")  # the same names in a TOML or YAML file
 
 Each part is handed whole to the piece that reads it: `CacheConfig` to the KV cache manager and
 the page pool, `SchedulerConfig` to the scheduler, `ParallelConfig` to the engine factory,
@@ -11,7 +12,9 @@ bucketing, `RequestLimits` to the input processor (and the servers' request chec
 name appears in exactly one part, so the flat spelling that `LLM(...)`, `jaxinfer serve` and
 `jaxinfer bench` take (vLLM's names) maps to one place, and `add_engine_arguments` builds
 every command's flags from these classes: a new option is one field here, with its help text
-in the field's metadata.
+in the field's metadata. A config file (`read_config_file`: TOML, or YAML where PyYAML imports)
+holds the same flat names; `jaxinfer serve --config FILE`, `EngineConfig.from_file` and
+`LLM(model, config=FILE)` read it.
 
 No jax here (the host scheduler imports this module).
 """
@@ -20,11 +23,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
+import os
+import tomllib
 import types
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from jaxinfer.config import ModelConfig
@@ -351,6 +358,32 @@ class EngineConfig:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
 
     @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, ignore: Collection[str] = (),
+                  **options: Any) -> EngineConfig:
+        """An EngineConfig from a TOML or YAML config file of flat options (`read_config_file`).
+
+            max_num_seqs = 64
+            kv_cache_dtype = "int8"
+            [speculative]
+            method = "ngram"
+            num_tokens = 4
+
+        Args:
+            path: The file; its suffix (.toml, .yaml, .yml) says how to read it.
+            ignore: Keys the file may hold for someone else (a server's `host`, ...).
+            **options: Flat options that override the file's.
+
+        Raises:
+            ConfigFileError: An unreadable file or a key that is no engine option (naming
+                both).
+            ValueError: A bad value (or an unknown option among `options`).
+        """
+        file_options = read_config_file(path)
+        check_config_keys(path, file_options, [*engine_option_names(), *ignore])
+        engine = {name: value for name, value in file_options.items() if name not in ignore}
+        return cls.from_options(**{**engine, **options})
+
+    @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
         """An EngineConfig from vLLM's flat option names (`max_num_seqs=32`, ...).
 
@@ -421,6 +454,84 @@ def option_owners() -> dict[str, str]:
     """{flat option name: the part that holds it}."""
     return {field.name: part for part, cls in _PARTS.items()
             for field in dataclasses.fields(cls)}
+
+
+def engine_option_names() -> list[str]:
+    """Every flat option `from_options`, `LLM(...)` and the config files take."""
+    return [*option_owners(), "speculative"]
+
+
+# ---------------------------------------------------------------------- config files
+
+# Suffix -> format. YAML is read only where PyYAML imports (flax and orbax depend on it, so it
+# is there wherever jaxinfer's dependencies are; jaxinfer itself does not require it).
+CONFIG_FILE_FORMATS = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read or holds an unknown key (the message names both)."""
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The options of a TOML or YAML config file: a flat table of option names.
+
+    A key may be spelled with dashes (`max-num-seqs`, as vLLM's YAML files do) or underscores;
+    it comes back with underscores. A table (`[speculative]`) is one option whose value is a
+    dict. Which keys are valid is the caller's to check (`check_config_keys`).
+
+    Raises:
+        ConfigFileError: No such file, an unknown suffix, a syntax error, YAML without PyYAML,
+            a top level that is not a table, or one key spelled twice.
+    """
+    path = Path(path)
+    kind = CONFIG_FILE_FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise ConfigFileError(f"config file {path}: unknown format {path.suffix!r}; use "
+                              f"{', '.join(CONFIG_FILE_FORMATS)}")
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise ConfigFileError(f"config file {path}: {error.strerror or error}") from None
+    if kind == "TOML":
+        try:
+            data: Any = tomllib.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+            raise ConfigFileError(f"config file {path}: not valid TOML ({error})") from None
+    else:
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigFileError(
+                f"config file {path}: reading YAML needs PyYAML (pip install pyyaml), or "
+                "write the file as TOML") from None
+        try:
+            data = yaml.safe_load(raw) or {}
+        except yaml.YAMLError as error:
+            raise ConfigFileError(f"config file {path}: not valid YAML ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"config file {path}: must hold a table of options "
+                              f"(name = value), not a {type(data).__name__}")
+    options: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in options:
+            raise ConfigFileError(f"config file {path}: option {name!r} is given twice")
+        options[name] = value
+    return options
+
+
+def check_config_keys(path: str | os.PathLike[str], keys: Iterable[str],
+                      valid: Collection[str]) -> None:
+    """Refuses a config file key that is not in `valid`.
+
+    Raises:
+        ConfigFileError: Naming the first unknown key, the file, and the nearest valid name.
+    """
+    for key in keys:
+        if key not in valid:
+            close = difflib.get_close_matches(key, list(valid), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigFileError(f"config file {path}: unknown option {key!r}{hint}")
 
 
 # ---------------------------------------------------------------------- command-line flags

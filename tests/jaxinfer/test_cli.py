@@ -1,5 +1,5 @@
 """`jaxinfer generate` on checkpoints with and without tokenizer files; the engine flags of
-`jaxinfer bench`."""
+`jaxinfer bench` and its `--config FILE`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jaxinfer.bench.latency import LATENCY_DEFAULTS
-from jaxinfer.cli import build_parser, main
+from jaxinfer.cli import build_parser, main, parse_args
 from jaxinfer.engine.config import (
     BENCH_DEFAULTS,
     EngineConfig,
@@ -153,3 +153,42 @@ def test_bench_has_no_flags_for_what_it_sets_itself(flag, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "throughput", flag])
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_bench_reads_a_config_file_and_flags_win(tmp_path):
+    path = tmp_path / "bench.toml"
+    path.write_text("""
+model = "random:tiny"
+num_prompts = 8
+input_len_range = [16, 32]
+output-len = 16
+compare = ["hf"]
+no_roofline = true
+max_num_seqs = 4
+max_num_batched_tokens = 64
+enable_prefix_caching = true
+[speculative]
+method = "ngram"
+num_tokens = 2
+""")
+    args = parse_args(["bench", "throughput", "--config", str(path), "--num-prompts", "4"])
+    assert (args.model, args.num_prompts, args.input_len_range, args.output_len) == (
+        "random:tiny", 4, (16, 32), 16)
+    assert (args.compare, args.no_roofline) == (("hf",), True)
+    options = engine_options_from_args(args)
+    assert (options["max_num_seqs"], options["max_num_batched_tokens"]) == (4, 64)
+    assert options["enable_prefix_caching"] is True  # BENCH_DEFAULTS turns it off
+    assert options["speculative"] == SpeculativeConfig(method="ngram", num_tokens=2)
+    latency = tmp_path / "latency.yaml"
+    latency.write_text("batch_size: [1, 4]\niterations: 2\ntensor-parallel-size: 2\n")
+    args = parse_args(["bench", "latency", "--config", str(latency), "--iterations", "3"])
+    assert (args.batch_size, args.iterations, args.tensor_parallel_size) == ((1, 4), 3, 2)
+
+
+@pytest.mark.parametrize("key", ["max_model_len", "max_n", "host"])
+def test_bench_config_refuses_what_it_has_no_flag_for(tmp_path, capsys, key):
+    path = tmp_path / "bench.toml"
+    path.write_text(f"{key} = 1\n")
+    with pytest.raises(SystemExit):
+        parse_args(["bench", "latency", "--config", str(path)])
+    assert f"config file {path}: unknown option {key!r}" in capsys.readouterr().err

@@ -1,13 +1,16 @@
 """The offline API: `LLM.generate` / `stream` / `chat` on the built-in demo model, checked
-against reference generation; bad input rejected without leaving anything running."""
+against reference generation; bad input rejected without leaving anything running; a config
+file's engine options."""
 
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
 from jaxinfer import LLM, CompletionOutput, RequestOutput, SamplingParams
+from jaxinfer.engine.config import ConfigFileError, SpeculativeConfig
 from jaxinfer.generate import generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -92,3 +95,32 @@ def test_bad_input_rejects_the_call_and_leaves_nothing_running(llm):
     assert _idle(llm)
     with pytest.raises(ValueError, match=r"unknown engine options \['max_batch'\]"):
         LLM(model="builtin:demo", max_batch=4)
+
+
+def test_a_serve_config_file_configures_the_engine(tmp_path):
+    # `jaxinfer serve --config`'s file as is: the server's own keys are skipped.
+    path = tmp_path / "serve.toml"
+    path.write_text("""
+model = "builtin:other"
+host = "0.0.0.0"
+http_port = 8080
+dtype = "bfloat16"
+max_num_seqs = 8
+max_model_len = 128
+kv_cache_dtype = "int8"
+max_n = 3
+[speculative]
+method = "ngram"
+num_tokens = 2
+""")
+    llm = LLM("builtin:demo", config=path, warm_up=False, max_num_seqs=2)
+    config = llm.engine.config
+    assert config.scheduler.max_num_seqs == 2  # the keyword wins over the file
+    assert (config.max_model_len, config.cache.kv_cache_dtype, config.limits.max_n) == (
+        128, "int8", 3)
+    assert config.speculative == SpeculativeConfig(method="ngram", num_tokens=2)
+    assert llm.engine.model.config.dtype == "bfloat16"  # the demo is float32
+    assert llm.model_name == "builtin:demo"
+    path.write_text("max_num_seq = 4\n")
+    with pytest.raises(ConfigFileError, match=re.escape(f"{path}: unknown option 'max_num_seq'")):
+        LLM("builtin:demo", config=path, warm_up=False)

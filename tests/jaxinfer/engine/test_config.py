@@ -1,18 +1,23 @@
-"""EngineConfig: flat options in and out, each part's checks, resolved sizes, and the
-command-line flags built from the parts. No jax."""
+"""EngineConfig: flat options in and out, each part's checks, resolved sizes, the
+command-line flags built from the parts, and config files (TOML, YAML). No jax."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import re
+import sys
 
 import pytest
+import yaml
 
 from jaxinfer.config import get_preset
 from jaxinfer.engine.config import (
     SERVING_DEFAULTS,
     CacheConfig,
     CompileConfig,
+    ConfigFileError,
     EngineConfig,
     ParallelConfig,
     ParallelConfigError,
@@ -22,6 +27,7 @@ from jaxinfer.engine.config import (
     add_engine_arguments,
     engine_options_from_args,
     option_owners,
+    read_config_file,
 )
 from jaxinfer.engine.limits import RequestLimits
 
@@ -272,3 +278,103 @@ def test_excluded_options_get_no_flag_and_are_left_out():
     assert "--speculative" not in parser._option_string_actions
     with pytest.raises(ValueError, match=r"unknown engine options in exclude: \['max_len'\]"):
         add_engine_arguments(argparse.ArgumentParser(), exclude=("max_len",))
+
+
+# ---------------------------------------------------------------------- config files
+
+
+def toml_text(options, tables=()):
+    """Flat options as TOML: scalars and lists as `key = value`, dicts inline unless named in
+    `tables` (then a `[key]` table). None is left out (TOML has no null; None is the default
+    of every option that takes it)."""
+
+    def value(item):
+        if isinstance(item, bool):
+            return "true" if item else "false"
+        if isinstance(item, dict):
+            return "{" + ", ".join(f"{key} = {value(inner)}" for key, inner in item.items()
+                                   if inner is not None) + "}"
+        if isinstance(item, list | tuple):
+            return "[" + ", ".join(value(inner) for inner in item) + "]"
+        return json.dumps(item)  # numbers, and strings in TOML's basic (JSON) escapes
+
+    lines = [f"{key} = {value(item)}" for key, item in options.items()
+             if item is not None and key not in tables]
+    for key in tables:
+        lines += [f"[{key}]", *(f"{inner} = {value(item)}" for inner, item in
+                                options[key].items() if item is not None)]
+    return "\n".join(lines) + "\n"
+
+
+def test_from_file_reads_every_option_from_toml_and_yaml(tmp_path):
+    toml_file = tmp_path / "engine.toml"
+    toml_file.write_text(toml_text(CHANGED, tables=("speculative",)))
+    yaml_file = tmp_path / "engine.yaml"
+    yaml_file.write_text(yaml.safe_dump(CHANGED))
+    assert EngineConfig.from_file(toml_file).options() == CHANGED
+    assert EngineConfig.from_file(yaml_file).options() == CHANGED
+    inline = tmp_path / "inline.toml"  # `speculative = {...}` as well as a [speculative] table
+    inline.write_text(toml_text(CHANGED))
+    assert EngineConfig.from_file(inline).options() == CHANGED
+
+
+def test_from_file_keywords_override_the_file_and_dashes_read_as_underscores(tmp_path):
+    path = tmp_path / "engine.yml"
+    path.write_text("max-num-seqs: 4\nmax_num_batched_tokens: 64\nkv-cache-dtype: int8\n")
+    config = EngineConfig.from_file(path, max_num_seqs=8)
+    assert config.scheduler == SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    assert config.cache.kv_cache_dtype == "int8"
+    assert read_config_file(path) == {"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                                      "kv_cache_dtype": "int8"}
+
+
+def test_from_file_refuses_an_unknown_key_naming_it_and_the_file(tmp_path):
+    path = tmp_path / "engine.toml"
+    path.write_text("max_num_seq = 4\nhost = '0.0.0.0'\n")
+    message = f"{path}: unknown option 'max_num_seq' (did you mean 'max_num_seqs'?)"
+    with pytest.raises(ConfigFileError, match=re.escape(message)):
+        EngineConfig.from_file(path)
+    path.write_text("max_num_seqs = 4\nhost = '0.0.0.0'\n")
+    with pytest.raises(ConfigFileError, match="unknown option 'host'"):
+        EngineConfig.from_file(path)
+    # A server's own keys, skipped where the caller says so.
+    assert EngineConfig.from_file(path, ignore=("host",)).scheduler.max_num_seqs == 4
+
+
+@pytest.mark.parametrize(("name", "text", "fragment"), [
+    ("engine.json", "{}", "unknown format '.json'; use .toml, .yaml, .yml"),
+    ("engine.toml", "max_num_seqs = ", "not valid TOML"),
+    ("engine.yaml", "max_num_seqs: [4", "not valid YAML"),
+    ("engine.yaml", "- max_num_seqs\n", "must hold a table of options"),
+    ("engine.yaml", "max_num_seqs: 4\nmax-num-seqs: 8\n", "'max_num_seqs' is given twice"),
+])
+def test_bad_files_are_config_file_errors(tmp_path, name, text, fragment):
+    path = tmp_path / name
+    path.write_text(text)
+    pattern = f"config file {re.escape(str(path))}: .*{re.escape(fragment)}"
+    with pytest.raises(ConfigFileError, match=pattern):
+        read_config_file(path)
+
+
+def test_a_missing_file_and_bad_values(tmp_path):
+    with pytest.raises(ConfigFileError, match=r"no-such\.toml: No such file"):
+        EngineConfig.from_file(tmp_path / "no-such.toml")
+    path = tmp_path / "engine.toml"
+    path.write_text("max_num_seqs = 0\n")
+    with pytest.raises(SchedulerConfigError, match="max_num_seqs"):
+        EngineConfig.from_file(path)
+    path.write_text("[speculative]\nmethod = 'medusa'\nnum_tokens = 2\n")
+    with pytest.raises(ValueError, match="must be one of"):
+        EngineConfig.from_file(path)
+
+
+def test_yaml_without_pyyaml_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` raises ImportError
+    path = tmp_path / "engine.yaml"
+    path.write_text("max_num_seqs: 4\n")
+    with pytest.raises(ConfigFileError, match=r"reading YAML needs PyYAML .* write the file "
+                                              "as TOML"):
+        read_config_file(path)
+    toml = tmp_path / "engine.toml"
+    toml.write_text("max_num_seqs = 4\n")
+    assert EngineConfig.from_file(toml).scheduler.max_num_seqs == 4
