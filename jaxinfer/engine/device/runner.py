@@ -213,16 +213,21 @@ class RunnerOutput:
     speculated: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
-class RequestsFailedError(Exception):
+class RequestsFailedError(ValueError):
     """Packing a step's inputs failed because of some requests alone (each fails when packed
     by itself); the step can run without them.
+
+    A `ValueError` whose message quotes each request's own error, so a caller of the runner
+    alone sees what was wrong (the engine fails just those requests instead).
 
     Attributes:
         errors: The failing requests' scheduler ids and what each raised.
     """
 
     def __init__(self, errors: dict[str, Exception]) -> None:
-        super().__init__(f"packing the step failed for requests {sorted(errors)}")
+        reasons = "; ".join(f"{request_id}: {error}" for request_id, error
+                            in sorted(errors.items()))
+        super().__init__(f"packing the step failed for requests {sorted(errors)} ({reasons})")
         self.errors = errors
 
 
