@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxinfer.engine.sampling_params import MAX_LOGPROBS
+from jaxinfer.engine.sampling_params import MAX_LOGPROBS, STRUCTURED_OUTPUT_KINDS
 from serve.service import SAMPLING_FIELDS, InvalidRequestError
 
 # SamplingParams fields a body sets under the same name (OpenAI's and vLLM's extensions); the
@@ -218,6 +218,9 @@ def _response_format(value: Any) -> dict[str, Any] | None:
 def structured_outputs_of(body: Mapping[str, Any]) -> tuple[Any, str | None]:
     """The body's structured-output constraint, in whichever spelling it came.
 
+    A `structured_outputs` object that sets no kind beside another spelling only adds its
+    options (`disable_any_whitespace`) to that constraint, as in vLLM.
+
     Returns:
         (the value for `SamplingParams.structured_outputs`, as a dict of its fields or the
         client's `structured_outputs` value as sent (checked by `SamplingParams`), or None;
@@ -232,11 +235,14 @@ def structured_outputs_of(body: Mapping[str, Any]) -> tuple[Any, str | None]:
         constraint = _response_format(body["response_format"])
         if constraint is not None:
             found.append(("response_format", constraint))
-    if body.get("structured_outputs") is not None:
-        found.append(("structured_outputs", body["structured_outputs"]))
     for name, kind in GUIDED_FIELDS.items():
         if body.get(name) is not None:
             found.append((name, {kind: body[name]}))
+    options = body.get("structured_outputs")
+    if options is not None and not (isinstance(options, dict) and found and not any(
+            options.get(kind) not in (None, False) for kind in STRUCTURED_OUTPUT_KINDS)):
+        found.append(("structured_outputs", options))
+        options = None
     if len(found) > 1:
         raise InvalidRequestError(found[1][0], f"{found[1][0]}: only one structured-output "
                                                f"field may be given, and {found[0][0]} "
@@ -244,6 +250,10 @@ def structured_outputs_of(body: Mapping[str, Any]) -> tuple[Any, str | None]:
     if not found:
         return None, None
     name, constraint = found[0]
+    if options:
+        # As vLLM: a `structured_outputs` object without a kind of its own carries options
+        # (e.g. disable_any_whitespace) for the constraint given in another field.
+        constraint = {**options, **constraint}
     return constraint, name
 
 
