@@ -31,8 +31,15 @@ arrays and the runner never makes scheduling decisions.
 Speculative decoding (`speculative={"method": "ngram", "num_tokens": R, "max_ngram": n}` or
 `{"method": "draft_model", "model": ..., "num_tokens": R}`): a request speculates unless it
 opts out (`speculative=False`) or asks for something that changes per position or needs
-per-token results (logprobs, prompt logprobs, penalties); it drafts nothing while min_tokens
-still holds stop tokens back. Speculating and plain requests share every batch. A seeded
+per-token results (logprobs, prompt logprobs, penalties, structured output); it drafts
+nothing while min_tokens still holds stop tokens back.
+
+Structured output (`SamplingParams.structured_outputs`): each sample of a constrained request
+carries an llguidance matcher (`jaxinfer.engine.structured_output`); the runner asks it for
+the allowed tokens of every step in which the request samples (a packed bitmask row of the
+step's fixed-shape input), the engine advances it with each sampled token, and the scheduler
+stops the request ("stop") once the grammar is complete. A token the matcher refuses fails
+that request alone. Speculating and plain requests share every batch. A seeded
 speculating request samples exactly from the target's distribution and repeats itself when run
 the same way, but its draws depend on which drafts were verified, so (unlike a plain seeded
 request) its tokens can change when a crowded batch's token budget trims its drafts.
