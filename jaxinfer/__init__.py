@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "jaxinfer.llm",
     "SamplingParams": "jaxinfer.engine.sampling_params",
+    "StructuredOutputsParams": "jaxinfer.engine.sampling_params",
     "RequestOutput": "jaxinfer.engine.outputs",
     "CompletionOutput": "jaxinfer.engine.outputs",
     "Engine": "jaxinfer.engine.core",

@@ -414,6 +414,11 @@ class HuggingFaceTokenizer(Tokenizer):
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The whole tokenizer, added tokens included, as `tokenizer.json` text (what
+        grammar engines such as llguidance read a vocabulary from)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
 
@@ -551,6 +556,11 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return max(self._piece_count, max(self._added_tokens, default=-1) + 1)
+
+    @property
+    def sentencepiece_processor(self) -> sentencepiece.SentencePieceProcessor:
+        """The sentencepiece model itself (which pieces are bytes, controls, ...)."""
+        return self._processor
 
     @property
     def special_token_ids(self) -> frozenset[int]:

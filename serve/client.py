@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -68,9 +69,33 @@ def build_request(prompt: str | Sequence[int], request_id: str | None = None,
             request.stop.extend([value] if isinstance(value, str) else value)
         elif name == "stop_token_ids":
             request.stop_token_ids.extend(value)
+        elif name == "structured_outputs":
+            request.structured_outputs.CopyFrom(structured_outputs_message(value))
         else:
             setattr(request, name, value)
     return request
+
+
+def structured_outputs_message(value: Mapping[str, Any]) -> pb.StructuredOutputs:
+    """A `StructuredOutputs` message from `SamplingParams.structured_outputs`-style fields
+    (`{"json": {...schema...}}`, `{"regex": "..."}`, `{"choice": [...]}`, ...).
+
+    Raises:
+        TypeError: An unknown key.
+    """
+    message = pb.StructuredOutputs()
+    for key, item in value.items():
+        if item is None:
+            continue
+        if key == "json":
+            message.json = item if isinstance(item, str) else json.dumps(item)
+        elif key == "choice":
+            message.choice.choices.extend(item)
+        elif key in ("json_object", "regex", "grammar", "disable_any_whitespace"):
+            setattr(message, key, item)
+        else:
+            raise TypeError(f"unknown structured_outputs key {key!r}")
+    return message
 
 
 @dataclasses.dataclass

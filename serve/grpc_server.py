@@ -73,13 +73,29 @@ _SAMPLING_DESCRIPTORS = tuple(field for field in pb.GenerateRequest.DESCRIPTOR.f
                               if field.name in SAMPLING_FIELDS)
 
 
+def _structured_outputs(message: pb.StructuredOutputs) -> dict[str, Any]:
+    """A `StructuredOutputs` message as `SamplingParams.structured_outputs` fields (an unset
+    kind gives none, which SamplingParams refuses, naming the field)."""
+    kind = message.WhichOneof("kind")
+    fields: dict[str, Any] = {"disable_any_whitespace": message.disable_any_whitespace}
+    if kind == "choice":
+        fields["choice"] = list(message.choice.choices)
+    elif kind is not None:
+        fields[kind] = getattr(message, kind)
+    return fields
+
+
 def _sampling_fields(request: pb.GenerateRequest) -> dict[str, Any]:
     """The request's sampling fields as plain values; None where not given (an unset proto3
-    `optional` scalar, or an empty repeated or map field, which have no presence)."""
+    `optional` scalar or message, or an empty repeated or map field, which have no
+    presence)."""
     fields: dict[str, Any] = {}
     for field in _SAMPLING_DESCRIPTORS:
         value = getattr(request, field.name)
-        if field.has_presence:
+        if field.name == "structured_outputs":
+            fields[field.name] = (_structured_outputs(value)
+                                  if request.HasField(field.name) else None)
+        elif field.has_presence:
             fields[field.name] = value if request.HasField(field.name) else None
         elif field.message_type is not None and field.message_type.GetOptions().map_entry:
             fields[field.name] = dict(value) or None

@@ -14,7 +14,9 @@ the server: each prompt's engine stream holds one unread output, merged (see
 `jaxinfer.engine.async_engine`), and hands the next only once the handler took the previous.
 
 Not served: `echo` and `suffix` (completions) and tools (chat) are refused with a 400 naming
-the field rather than silently ignored; `user` is accepted and ignored.
+the field rather than silently ignored; `user` is accepted and ignored. Structured output
+(`response_format`, `structured_outputs`, `guided_*`) is served in both endpoints; a schema,
+regex or grammar that does not compile is a 400 naming the field it came in.
 
 Before any handler runs (`serve.access`): a `Host` outside the allowed hosts (by default only
 loopback names on a loopback-bound server: DNS rebinding) and an `Origin` outside
@@ -388,7 +390,14 @@ def _params_for(service: InferenceService, parsed: protocol.ParsedRequest,
                 token_ids: list[list[int]]) -> list[SamplingParams]:
     # Completions default to OpenAI's 16 tokens; chat to the rest of the context, as vLLM.
     default = None if parsed.chat else 16
-    return [service.sampling_params(parsed.fields, len(ids), default) for ids in token_ids]
+    try:
+        return [service.sampling_params(parsed.fields, len(ids), default) for ids in token_ids]
+    except RequestError as error:
+        wire = parsed.structured_field
+        if error.field == "structured_outputs" and wire not in (None, "structured_outputs"):
+            # Name the field the client actually sent (response_format, guided_json, ...).
+            raise InvalidRequestError(wire, f"{wire}: {error.message}") from None
+        raise
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -3,7 +3,10 @@
 Pure functions over JSON-ready dicts and jaxinfer outputs, no I/O, so every field mapping is
 testable without a server. Request fields take OpenAI's names, plus the extensions vLLM users
 send (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`). A field of the wrong type or out of
+`include_stop_str_in_output`, `skip_special_tokens`), and structured output in all three
+spellings clients send (`structured_outputs_of`): OpenAI's `response_format`, vLLM's
+`structured_outputs` object and vLLM's older `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar` fields. A field of the wrong type or out of
 range raises `InvalidRequestError` naming it (the types and values of sampling fields are
 checked by `InferenceService.sampling_params`, which every body's fields go through); fields
 OpenAI has and we do not serve (`echo`, `best_of` > n, `suffix`, tools) are refused rather
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxinfer.engine.sampling_params import MAX_LOGPROBS
+from jaxinfer.engine.sampling_params import MAX_LOGPROBS, STRUCTURED_OUTPUT_KINDS
 from serve.service import SAMPLING_FIELDS, InvalidRequestError
 
 # SamplingParams fields a body sets under the same name (OpenAI's and vLLM's extensions); the
@@ -162,13 +165,96 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class ParsedRequest:
-    """A checked request: prompts (text or ids), sampling fields, stream options."""
+    """A checked request: prompts (text or ids), sampling fields, stream options.
+
+    `structured_field` names the body field that carried the structured-output constraint
+    (`response_format`, `structured_outputs` or a `guided_*` field), so that an error the
+    engine reports on "structured_outputs" names what the client sent.
+    """
 
     prompts: list[str | list[int]]
     fields: dict[str, Any]
     stream: bool
     include_usage: bool
     chat: bool
+    structured_field: str | None = None
+
+
+# vLLM's older spellings of `structured_outputs`, each one kind of constraint.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's `response_format` as `structured_outputs` fields (None for plain text).
+
+    Raises:
+        InvalidRequestError: On "response_format": not an object, an unknown type, or a
+            json_schema without its schema.
+    """
+    field = "response_format"
+    if not isinstance(value, dict):
+        raise InvalidRequestError(field, "response_format must be an object with a 'type'")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequestError(field, "response_format.json_schema must be an object "
+                                             "with a 'schema'")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(field, "response_format.json_schema.schema must be a "
+                                             "JSON schema object")
+        # `strict` needs no mapping: the output always conforms to the schema.
+        return {"json": schema}
+    raise InvalidRequestError(field, f"response_format.type must be 'text', 'json_object' or "
+                                     f"'json_schema', not {kind!r}")
+
+
+def structured_outputs_of(body: Mapping[str, Any]) -> tuple[Any, str | None]:
+    """The body's structured-output constraint, in whichever spelling it came.
+
+    A `structured_outputs` object that sets no kind beside another spelling only adds its
+    options (`disable_any_whitespace`) to that constraint, as in vLLM.
+
+    Returns:
+        (the value for `SamplingParams.structured_outputs`, as a dict of its fields or the
+        client's `structured_outputs` value as sent (checked by `SamplingParams`), or None;
+        the body field it came from, or None).
+
+    Raises:
+        InvalidRequestError: A malformed `response_format`, or more than one spelling in
+            one body (named).
+    """
+    found: list[tuple[str, Any]] = []
+    if body.get("response_format") is not None:
+        constraint = _response_format(body["response_format"])
+        if constraint is not None:
+            found.append(("response_format", constraint))
+    for name, kind in GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            found.append((name, {kind: body[name]}))
+    options = body.get("structured_outputs")
+    if options is not None and not (isinstance(options, dict) and found and not any(
+            options.get(kind) not in (None, False) for kind in STRUCTURED_OUTPUT_KINDS)):
+        found.append(("structured_outputs", options))
+        options = None
+    if len(found) > 1:
+        raise InvalidRequestError(found[1][0], f"{found[1][0]}: only one structured-output "
+                                               f"field may be given, and {found[0][0]} "
+                                               "already is")
+    if not found:
+        return None, None
+    name, constraint = found[0]
+    if options:
+        # As vLLM: a `structured_outputs` object without a kind of its own carries options
+        # (e.g. disable_any_whitespace) for the constraint given in another field.
+        constraint = {**options, **constraint}
+    return constraint, name
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -182,9 +268,13 @@ def _refuse_unsupported(body: Mapping[str, Any], names: Sequence[str]) -> None:
             raise InvalidRequestError(name, f"{name} is not supported by this server")
 
 
-def _common_fields(body: Mapping[str, Any]) -> dict[str, Any]:
-    # Wire types and values are checked once, by `InferenceService.sampling_params`.
-    return {name: body.get(name) for name in _DIRECT_FIELDS}
+def _common_fields(body: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The sampling fields both endpoints share, and the field structured output came in.
+
+    Wire types and values are checked once, by `InferenceService.sampling_params`."""
+    fields = {name: body.get(name) for name in _DIRECT_FIELDS}
+    fields["structured_outputs"], structured_field = structured_outputs_of(body)
+    return fields, structured_field
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -217,11 +307,12 @@ def parse_completion(body: Mapping[str, Any]) -> ParsedRequest:
     else:
         raise InvalidRequestError("prompt", "prompt must be a string, a list of token ids, or "
                                             "a list of either")
-    fields = _common_fields(body)
+    fields, structured_field = _common_fields(body)
     fields["max_tokens"] = body.get("max_tokens")
     fields["logprobs"] = body.get("logprobs")  # the top-n count
     stream, include_usage = _stream_options(body)
-    return ParsedRequest(prompts, fields, stream, include_usage, chat=False)
+    return ParsedRequest(prompts, fields, stream, include_usage, chat=False,
+                         structured_field=structured_field)
 
 
 def parse_chat(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], ParsedRequest]:
@@ -246,7 +337,7 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], ParsedReq
         elif content is not None and not isinstance(content, str):
             raise InvalidRequestError("messages", f"messages[{index}].content must be a "
                                                   "string or a list of text parts")
-    fields = _common_fields(body)
+    fields, structured_field = _common_fields(body)
     fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
     logprobs, top = body.get("logprobs", False), body.get("top_logprobs")
     if not isinstance(logprobs, bool | type(None)):
@@ -259,7 +350,8 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], ParsedReq
         raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
     fields["logprobs"] = (top or 0) if logprobs else None
     stream, include_usage = _stream_options(body)
-    return messages, ParsedRequest([], fields, stream, include_usage, chat=True)
+    return messages, ParsedRequest([], fields, stream, include_usage, chat=True,
+                                   structured_field=structured_field)
 
 
 # ---------------------------------------------------------------------- responses

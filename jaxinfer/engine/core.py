@@ -31,8 +31,15 @@ arrays and the runner never makes scheduling decisions.
 Speculative decoding (`speculative={"method": "ngram", "num_tokens": R, "max_ngram": n}` or
 `{"method": "draft_model", "model": ..., "num_tokens": R}`): a request speculates unless it
 opts out (`speculative=False`) or asks for something that changes per position or needs
-per-token results (logprobs, prompt logprobs, penalties); it drafts nothing while min_tokens
-still holds stop tokens back. Speculating and plain requests share every batch. A seeded
+per-token results (logprobs, prompt logprobs, penalties, structured output); it drafts
+nothing while min_tokens still holds stop tokens back.
+
+Structured output (`SamplingParams.structured_outputs`): each sample of a constrained request
+carries an llguidance matcher (`jaxinfer.engine.structured_output`); the runner asks it for
+the allowed tokens of every step in which the request samples (a packed bitmask row of the
+step's fixed-shape input), the engine advances it with each sampled token, and the scheduler
+stops the request ("stop") once the grammar is complete. A token the matcher refuses fails
+that request alone. Speculating and plain requests share every batch. A seeded
 speculating request samples exactly from the target's distribution and repeats itself when run
 the same way, but its draws depend on which drafts were verified, so (unlike a plain seeded
 request) its tokens can change when a crowded batch's token budget trims its drafts.
@@ -345,6 +352,7 @@ class Engine:
         new_tokens = {sample_id: [sampled.token_id]
                       for sample_id, sampled in result.sampled.items()}
         new_tokens.update(result.speculated)
+        failed_outputs += self._advance_grammars(sequences, new_tokens)
         updates = self.scheduler.update_from_output(scheduled, new_tokens)
         controller = self.spec_controller
         for update in updates:
@@ -416,6 +424,38 @@ class Engine:
                 # Every sample of a failed request is gone, not only the failing ones.
                 sequences = [sequence for sequence in sequences
                              if self.scheduler.get_request(sequence.request_id) is not None]
+
+    def _advance_grammars(self, sequences: list[ScheduledRequest],
+                          new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
+        """Advances each constrained request's matcher past its new tokens (the scheduler
+        then stops the requests whose grammar is complete).
+
+        The device masked every token the grammar forbids, so a token the matcher refuses is
+        a fault of this request alone (e.g. a mask that allowed nothing): it fails, and the
+        others carry on.
+
+        Returns:
+            The failed requests' final outputs.
+        """
+        failed = []
+        for sequence in sequences:
+            grammar = sequence.grammar
+            tokens = new_tokens.get(sequence.request_id)
+            if grammar is None or not tokens:
+                continue
+            refused = next((token for token in tokens if not grammar.accept(token)), None)
+            if refused is None:
+                continue
+            request_id = self.output_processor.parent_of(sequence.request_id)
+            if request_id is None:  # a sibling sample's failure already ended it
+                continue
+            logger.error("request %r: token %d breaks its structured output (%s)",
+                         request_id, refused, grammar.error)
+            output = self._end_request(request_id, "the output broke its structured-output "
+                                                   "grammar")
+            if output is not None:
+                failed.append(output)
+        return failed
 
     def _propose_drafts(self) -> dict[str, Draft] | None:
         """The proposer's drafts for the speculating, decoding requests' coming step (with

@@ -7,7 +7,9 @@
 It takes a prompt in any accepted form (text, token ids, or a dict with "prompt_token_ids"
 and/or "prompt"), tokenizes it, runs every check a request needs before it may be queued
 (token ids inside the vocabulary for the prompt, `stop_token_ids` and `logit_bias`; room for
-output within `max_model_len`; features the engine was built without; the bounds of
+output within `max_model_len`; a structured-output schema, regex or grammar that does not
+compile (`jaxinfer.engine.structured_output`); features the engine was built without; the
+bounds of
 `jaxinfer.engine.limits.RequestLimits`, the text's length among them, checked before
 tokenizing), and fans a request with
 `n > 1` out into n scheduler requests with their own seeds. Every failure is a
@@ -31,6 +33,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.errors import RequestError
 from jaxinfer.engine.host.request import Request
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxinfer.tokenizer import Tokenizer
 
 # What a request's prompt may be: text, token ids, or {"prompt_token_ids": [...], "prompt": ...}.
@@ -44,10 +47,14 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request's drafts can be verified exactly in one step: nothing it asks for
-    changes from one position to the next or needs per-token results."""
+    changes from one position to the next or needs per-token results.
+
+    Structured output is one such thing (the allowed tokens change with every token), so a
+    constrained request is never speculated on: drafts are not verified against its grammar.
+    """
     return (params.logprobs is None and params.prompt_logprobs is None
             and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.repetition_penalty == 1.0)
+            and params.repetition_penalty == 1.0 and params.structured_outputs is None)
 
 
 @dataclasses.dataclass
@@ -61,6 +68,8 @@ class ProcessedRequest:
         params: The request's sampling parameters (n as asked).
         samples: One scheduler request per sample, ids from `child_request_id`.
         speculate: Whether the engine will propose drafts for it.
+        grammar: Its compiled structured-output constraint, or None (each sample holds its
+            own matcher of it).
     """
 
     request_id: str
@@ -69,6 +78,7 @@ class ProcessedRequest:
     params: SamplingParams
     samples: list[Request]
     speculate: bool
+    grammar: CompiledGrammar | None = None
 
 
 class InputProcessor:
@@ -87,6 +97,10 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.speculative = speculative
+        # One per engine: it builds the tokenizer's llguidance view on the first constrained
+        # request (about a second for a 150k vocabulary), never for unconstrained ones.
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size,
+                                        tuple(model_config.eos_token_ids))
 
     @property
     def vocab_size(self) -> int:
@@ -119,10 +133,12 @@ class InputProcessor:
         text, token_ids = self.tokenize(request_id, prompt)
         self.validate(request_id, token_ids, params)
         params = self.clamped(params)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(
+            request_id, params.structured_outputs)
         speculate = speculative and self.speculative and can_speculate(params)
         return ProcessedRequest(request_id, text, token_ids, params,
                                 self.fan_out(request_id, token_ids, params, cache_salt,
-                                             speculate), speculate)
+                                             speculate, grammar), speculate, grammar)
 
     # ------------------------------------------------------------------ pieces
 
@@ -255,10 +271,15 @@ class InputProcessor:
         if params.stop_strings and self.tokenizer is None:
             raise RequestError("stop", f"request {request_id!r}: stop strings need a "
                                "tokenizer; this engine has none (use stop_token_ids)")
+        if params.structured_outputs is not None:
+            # Compiled (and cached) here, so a front end that checks parameters before
+            # queuing refuses a bad schema; `process` then finds it compiled.
+            self.grammars.compile(request_id, params.structured_outputs)
 
     def fan_out(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                cache_salt: str | None, speculate: bool) -> list[Request]:
-        """One scheduler request per sample.
+                cache_salt: str | None, speculate: bool,
+                grammar: CompiledGrammar | None = None) -> list[Request]:
+        """One scheduler request per sample, each with its own matcher of `grammar`.
 
         vLLM's rule: sample i of a seeded request uses seed + i, so the samples differ from
         each other yet each is reproducible.
@@ -272,5 +293,6 @@ class InputProcessor:
             samples.append(Request(
                 child_request_id(request_id, index, params.n), token_ids, sample_params,
                 max_tokens=params.max_tokens, eos_token_ids=stop_ids, cache_salt=cache_salt,
-                skip_prefix_cache=params.prompt_logprobs is not None, speculate=speculate))
+                skip_prefix_cache=params.prompt_logprobs is not None, speculate=speculate,
+                grammar=None if grammar is None else grammar.matcher()))
         return samples

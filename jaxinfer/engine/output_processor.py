@@ -68,11 +68,16 @@ class SampleState:
         stop_strings: Strings that end the sample.
         include_stop_str_in_output: Keep the stop string at the end of the text.
         skip_special_tokens: Leave special tokens out of the text.
+        stop_token_ids: The ids that end the sample (EOS and stop_token_ids); when given, a
+            "stop" whose last token is none of them (a structured-output grammar completed)
+            reports no `stop_reason`, as vLLM reports an EOS stop. None: the last token is
+            always the reason.
     """
 
     def __init__(self, index: int, prompt_token_ids: Sequence[int], tokenizer: Tokenizer | None,
                  stop_strings: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True,
+                 stop_token_ids: Sequence[int] | None = None) -> None:
         self.index = index
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = None
@@ -82,6 +87,7 @@ class SampleState:
             tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens))
         self._stop_strings = tuple(stop for stop in stop_strings if stop)
         self._include_stop = include_stop_str_in_output
+        self._stop_token_ids = None if stop_token_ids is None else frozenset(stop_token_ids)
         self._hold_back = max((len(stop) for stop in self._stop_strings), default=1) - 1
         self._text = ""
         self._searched = 0  # characters already searched for stop strings
@@ -133,7 +139,8 @@ class SampleState:
             return True
         if finish_reason is not None:
             self.finish_reason = finish_reason
-            if finish_reason == "stop" and self.token_ids:
+            if finish_reason == "stop" and self.token_ids and (
+                    self._stop_token_ids is None or self.token_ids[-1] in self._stop_token_ids):
                 self.stop_reason = self.token_ids[-1]
         return False
 
@@ -183,9 +190,13 @@ class RequestState:
         self.prompt_token_ids = processed.prompt_token_ids
         self.params: SamplingParams = params
         self.kind = params.output_kind
+        # A constrained request may also stop because its grammar is complete.
+        stop_token_ids = (processed.samples[0].eos_token_ids
+                          if processed.grammar is not None else None)
         self.samples = [SampleState(index, self.prompt_token_ids, tokenizer, params.stop_strings,
                                     params.include_stop_str_in_output,
-                                    params.skip_special_tokens) for index in range(params.n)]
+                                    params.skip_special_tokens, stop_token_ids)
+                        for index in range(params.n)]
         # vLLM's format: None for the first prompt token, then a dict per prompt token.
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             None if params.prompt_logprobs is None else [None])

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from jaxinfer.engine.errors import RequestError
@@ -51,6 +52,104 @@ def _check_range(name: str, value: Any, low: float, high: float, interval: str) 
     number = _real(name, value)
     if not low <= number <= high:
         _fail(name, value, f"must be in {interval}")
+
+
+# The constraint kinds of `StructuredOutputsParams`, exactly one of which a request sets.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's `StructuredOutputsParams`, the same names).
+
+    Exactly one of `json`, `json_object`, `regex`, `choice` and `grammar` is set. The checks
+    here are of shape only (types, exactly one kind); whether a schema, regex or grammar
+    compiles is the engine's to check (`jaxinfer.engine.structured_output`), since that needs
+    the grammar engine and the tokenizer. A failure of either is a `RequestError` on
+    "structured_outputs".
+
+    Attributes:
+        json: A JSON schema, as a dict or as JSON text; the output is JSON that validates.
+        json_object: True: the output is any JSON object (OpenAI's `json_object` mode).
+        regex: A regular expression (Rust `regex` syntax) the whole output matches.
+        choice: The output is exactly one of these strings (a non-empty list).
+        grammar: A context-free grammar in Lark syntax (llguidance's dialect; GBNF as
+            llama.cpp writes it is accepted too).
+        disable_any_whitespace: JSON without optional whitespace (compact output): small
+            models otherwise may pad JSON with whitespace until max_tokens.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        field = "structured_outputs"
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    json.loads(self.json)
+                except ValueError as error:
+                    raise RequestError(field, f"structured_outputs.json is not valid JSON: "
+                                              f"{error}") from None
+            elif not isinstance(self.json, dict):
+                raise RequestError(field, "structured_outputs.json must be a JSON schema "
+                                          f"(an object or its JSON text), not "
+                                          f"{type(self.json).__name__}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise RequestError(field, "structured_outputs.json_object must be a bool")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(field, f"structured_outputs.{name} must be a non-empty "
+                                          "string")
+        if self.choice is not None:
+            if isinstance(self.choice, str | bytes) or not isinstance(self.choice, Iterable):
+                raise RequestError(field, "structured_outputs.choice must be a list of strings")
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(item, str) and item for item in choice):
+                raise RequestError(field, "structured_outputs.choice must be a non-empty list "
+                                          "of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise RequestError(field, "structured_outputs.disable_any_whitespace must be a "
+                                      "bool")
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise RequestError(field, f"structured_outputs must set exactly one of "
+                                      f"{list(STRUCTURED_OUTPUT_KINDS)}, got "
+                                      f"{kinds or 'none'}")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraint kinds set (one, once constructed)."""
+        return [name for name in STRUCTURED_OUTPUT_KINDS
+                if getattr(self, name) not in (None, False)]
+
+    @classmethod
+    def from_value(cls, value: Any) -> StructuredOutputsParams:
+        """Accepts the dataclass itself or a mapping of its fields (e.g. a JSON body's).
+
+        Raises:
+            RequestError: On "structured_outputs": an unknown key, a value of the wrong
+                type, or not exactly one kind set.
+        """
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise RequestError("structured_outputs", "structured_outputs must be an object "
+                                                     f"with one of "
+                                                     f"{list(STRUCTURED_OUTPUT_KINDS)}")
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(str(key) for key in value if key not in names)
+        if unknown:
+            raise RequestError("structured_outputs", f"structured_outputs: unknown keys "
+                                                     f"{unknown}; known: {sorted(names)}")
+        # None means "not given", as everywhere on the wire.
+        return cls(**{key: item for key, item in value.items() if item is not None})
 
 
 class RequestOutputKind(enum.Enum):
@@ -99,6 +198,9 @@ class SamplingParams:
         skip_special_tokens: Leave special tokens out of the detokenized text.
         output_kind: Cumulative outputs (the default), deltas, or the final output only; a
             `RequestOutputKind` or its value.
+        structured_outputs: A constraint the output must match (JSON schema, JSON object,
+            regex, choice or grammar): a `StructuredOutputsParams` or a mapping of its fields.
+            Such a request never speculates (drafts are not checked against the grammar).
     """
 
     n: int = 1
@@ -121,6 +223,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if _integer("n", self.n) < 1:
@@ -164,6 +267,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", self._checked_stop())
         object.__setattr__(self, "stop_token_ids", self._checked_stop_token_ids())
         object.__setattr__(self, "logit_bias", self._checked_logit_bias())
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputsParams.from_value(self.structured_outputs))
 
     def _checked_stop(self) -> str | tuple[str, ...] | None:
         if self.stop is None or isinstance(self.stop, str):

@@ -52,6 +52,7 @@ from jaxinfer.engine.device.sampler import (
     prompt_logprobs,
     prompt_top_logprobs,
     sample_tokens,
+    unconstrained_bitmask,
 )
 from jaxinfer.engine.device.step_io import PROMPT_STEP, STEP, STEP_KINDS, StepInputs, StepOutputs
 from jaxinfer.engine.host.scheduler import ScheduledRequest
@@ -579,10 +580,25 @@ class ModelRunner:
             [sequence.sampling_params for sequence in sequences], self.model_config.vocab_size,
             prompt_token_ids=[sequence.prompt_token_ids for sequence in sequences],
             output_token_ids=[sequence.output_token_ids for sequence in sequences],
-            eos_token_ids=self.model_config.eos_token_ids, batch_size=num_seqs)
+            eos_token_ids=self.model_config.eos_token_ids, batch_size=num_seqs,
+            allowed=self._allowed_bitmask(sequences, num_seqs))
         return StepInputs(token_ids, positions, batch, last, sampling, seeds, output_index,
                           want_logprobs, next_token_ids, draft_token_ids, num_draft_tokens,
                           draft_probs)
+
+    def _allowed_bitmask(self, sequences: Sequence[ScheduledRequest], num_seqs: int
+                         ) -> np.ndarray | None:
+        """`[Q, ceil(V / 32)]` the step's structured-output bitmasks: each constrained
+        request that samples asks its grammar (`ScheduledRequest.grammar`) for the tokens it
+        allows next; every other row allows all. None when no request is constrained."""
+        constrained = [(s, sequence.grammar) for s, sequence in enumerate(sequences)
+                       if sequence.grammar is not None and sequence.needs_sample]
+        if not constrained:
+            return None
+        allowed = unconstrained_bitmask(num_seqs, self.model_config.vocab_size)  # [Q, W]
+        for s, grammar in constrained:
+            grammar.fill_bitmask(allowed[s])
+        return allowed
 
     def execute(self, sequences: Sequence[ScheduledRequest]) -> RunnerOutput:
         """Runs one step over the scheduled requests (see `prepare`).

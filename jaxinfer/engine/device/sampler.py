@@ -9,6 +9,8 @@ function here branches in Python on a value, only on static shapes and `num_logp
 1. logit bias (additive),
 2. penalties: repetition (prompt or output tokens), then frequency and presence (output only),
 3. min_tokens: stop tokens masked to -inf while a request is shorter than its `min_tokens`,
+   and structured output: tokens outside the row's packed allowed-token bitmask masked to
+   -inf (all bits set for an unconstrained row, so every row has the same shapes),
 4. greedy rows (temperature ~0 or top_k == 1) take the argmax of the processed logits; other
    rows divide by their temperature, apply min_p, then top-k and top-p (`jaxinfer.sampling`),
    and draw with their own key.
@@ -61,6 +63,10 @@ class SamplingArrays(NamedTuple):
         output_counts: `[B, V]` int32, occurrences of each token in the output so far.
         stop_mask: `[B, V]` bool, the tokens min_tokens suppresses (EOS and stop_token_ids).
         suppress_stop: `[B]` bool, True while the row has fewer than min_tokens outputs.
+        allowed: `[B, ceil(V / 32)]` int32 packed bitmask, bit `i % 32` of word `i // 32`
+            set when token i may be sampled (structured output); all ones (-1) for an
+            unconstrained row. Always present, so constraints never change the step's
+            shapes (no new compiled program).
     """
 
     temperature: Array
@@ -75,6 +81,7 @@ class SamplingArrays(NamedTuple):
     output_counts: Array
     stop_mask: Array
     suppress_stop: Array
+    allowed: Array
 
     @classmethod
     def neutral(cls, batch: int, vocab: int) -> SamplingArrays:
@@ -104,7 +111,13 @@ class SamplingArrays(NamedTuple):
             output_counts=np.zeros((batch, vocab), np.int32),  # [B, V]
             stop_mask=np.zeros((batch, vocab), np.bool_),  # [B, V]
             suppress_stop=np.zeros((batch,), np.bool_),  # [B]
+            allowed=unconstrained_bitmask(batch, vocab),  # [B, ceil(V / 32)]
         )
+
+
+def unconstrained_bitmask(batch: int, vocab: int) -> np.ndarray:
+    """`[batch, ceil(V / 32)]` int32 all ones: every token allowed (llguidance's layout)."""
+    return np.full((batch, -(-vocab // 32)), -1, np.int32)  # [B, ceil(V / 32)]
 
 
 # ---------------------------------------------------------------------- logits processors
@@ -168,6 +181,26 @@ def suppress_stop_tokens(logits: jax.Array, stop_mask: Array, suppress: Array) -
     return jnp.where(stop_mask & suppress[:, None], -jnp.inf, logits)  # [B, V]
 
 
+def apply_allowed_bitmask(logits: jax.Array, allowed: Array) -> jax.Array:
+    """Masks to -inf every token whose bit is clear in the row's packed bitmask.
+
+    The bits are unpacked with shifts and ands (`[B, W, 32]`, fused by XLA into the select);
+    the words' padding bits past V are dropped.
+
+    Args:
+        logits: `[B, V]` float32.
+        allowed: `[B, W]` int32, W = ceil(V / 32); bit `i % 32` of word `i // 32` is token i.
+
+    Returns:
+        `[B, V]` float32; bit-identical where every bit is set.
+    """
+    batch, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)  # [32]
+    bits = jnp.right_shift(allowed[:, :, None], shifts) & 1  # [B, W, 32]
+    keep = bits.reshape(batch, -1)[:, :vocab] != 0  # [B, V]
+    return jnp.where(keep, logits, -jnp.inf)  # [B, V]
+
+
 def apply_min_p(logits: jax.Array, min_p: Array) -> jax.Array:
     """Keeps tokens whose probability is >= min_p times the row's largest probability.
 
@@ -189,7 +222,8 @@ def apply_min_p(logits: jax.Array, min_p: Array) -> jax.Array:
 
 
 def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """Bias, penalties and min_tokens suppression: the distribution logprobs are reported from.
+    """Bias, penalties, min_tokens suppression and the structured-output bitmask: the
+    distribution logprobs are reported from.
 
     Args:
         logits: `[B, V]`, any float dtype.
@@ -202,7 +236,8 @@ def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     logits = apply_logit_bias(logits, params.logit_bias)  # [B, V]
     logits = apply_penalties(logits, params.prompt_mask, params.output_counts, params.presence,
                              params.frequency, params.repetition)  # [B, V]
-    return suppress_stop_tokens(logits, params.stop_mask, params.suppress_stop)  # [B, V]
+    logits = suppress_stop_tokens(logits, params.stop_mask, params.suppress_stop)  # [B, V]
+    return apply_allowed_bitmask(logits, params.allowed)  # [B, V]
 
 
 def greedy_rows(params: SamplingArrays) -> jax.Array:
@@ -415,7 +450,8 @@ def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: i
                           prompt_token_ids: Sequence[Sequence[int]],
                           output_token_ids: Sequence[Sequence[int]],
                           eos_token_ids: Iterable[int] = (),
-                          batch_size: int | None = None) -> SamplingArrays:
+                          batch_size: int | None = None,
+                          allowed: np.ndarray | None = None) -> SamplingArrays:
     """Builds one step's `SamplingArrays` from the requests in the batch.
 
     Args:
@@ -426,6 +462,8 @@ def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: i
         eos_token_ids: The model's EOS ids, suppressed with stop_token_ids under min_tokens
             unless a request sets `ignore_eos`.
         batch_size: B, the padded batch (>= len(params)); rows past the requests are neutral.
+        allowed: `[len(params) or B, ceil(V / 32)]` int32 packed allowed-token bitmasks
+            (structured output; -1 rows are unconstrained); None: every row unconstrained.
 
     Returns:
         NumPy arrays, dtypes as in `SamplingArrays.neutral`.
@@ -452,6 +490,12 @@ def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: i
                                                    strict=True)]
     counted = [ids if c else () for ids, c in zip(outputs, counts_needed, strict=True)]
     suppress = [len(out) < p.min_tokens for p, out in zip(filled, outputs, strict=True)]
+    bitmask = unconstrained_bitmask(batch, vocab_size)  # [B, ceil(V / 32)]
+    if allowed is not None:
+        if allowed.shape[0] > batch or allowed.shape[1:] != bitmask.shape[1:]:
+            raise ValueError(f"allowed of shape {allowed.shape} for a batch of {batch} and "
+                             f"{bitmask.shape[1]} bitmask words")
+        bitmask[:allowed.shape[0]] = allowed
     return SamplingArrays(
         temperature=np.array([p.temperature for p in filled], np.float32),  # [B]
         top_k=np.array([p.top_k for p in filled], np.int32),  # [B]
@@ -467,5 +511,6 @@ def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: i
                               for p, held in zip(filled, suppress, strict=True)],
                              vocab_size, "stop_token_ids"),  # [B, V]
         suppress_stop=np.array(suppress, np.bool_),  # [B]
+        allowed=bitmask,  # [B, ceil(V / 32)]
     )
 

@@ -43,7 +43,7 @@ class StepInputs(NamedTuple):
     # cu_q_lens [Q + 1], num_seqs [1]
     batch: PagedBatch
     last_token_index: Array  # [Q] int32, index in T of each sequence's last fed token
-    sampling: SamplingArrays  # [Q] / [Q, V] per-sequence sampling settings
+    sampling: SamplingArrays  # [Q] / [Q, V] / [Q, ceil(V / 32)] per-sequence sampling settings
     seeds: Array  # [Q] uint32, each sequence's PRNG seed
     output_index: Array  # [Q] int32, tokens the sequence sampled before this step
     want_logprobs: Array  # [Q] bool, whether the sequence asked for top logprobs

@@ -76,13 +76,17 @@ class Request:
             the step verifies them); empty when the request has none.
         spec_draft_probs: `[len(spec_token_ids), V]` the drafter's distributions for those
             drafts, or None for point-mass (n-gram) drafts.
+        grammar: The request's structured-output matcher
+            (`jaxinfer.engine.structured_output.GrammarMatcher`), or None. The engine
+            advances it with every sampled token; the request stops ("stop") once it
+            reports the grammar complete (`is_terminated()`).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: Any = None, *, max_tokens: int = 16,
                  eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  cache_salt: str | None = None, skip_prefix_cache: bool = False,
-                 speculate: bool = False) -> None:
+                 speculate: bool = False, grammar: Any = None) -> None:
         """Creates a WAITING request with nothing computed.
 
         Raises:
@@ -111,6 +115,7 @@ class Request:
         self.speculate = speculate
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Any = None  # [len(spec_token_ids), V] or None
+        self.grammar = grammar
         # Prompt and outputs in one list, kept in step with output_token_ids, so that slicing
         # the tokens to feed costs no concatenation per step.
         self._all_token_ids = list(self.prompt_token_ids)

@@ -68,6 +68,8 @@ class ScheduledRequest:
         prompt_token_ids: The request's whole prompt (repetition penalty, prompt logprobs).
         output_token_ids: The tokens it sampled before this step (frequency and presence
             penalties, min_tokens); a live view, valid until `update_from_output`.
+        grammar: The request's structured-output matcher (`Request.grammar`), or None; the
+            runner asks it for the allowed tokens of the token sampled this step.
     """
 
     request_id: str
@@ -81,6 +83,7 @@ class ScheduledRequest:
     output_token_ids: Sequence[int] = ()
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     spec_draft_probs: Any = None  # [len(spec_token_ids), V] or None
+    grammar: Any = None
 
     @property
     def start_position(self) -> int:
@@ -468,6 +471,7 @@ class Scheduler:
             spec_token_ids=list(drafts),
             spec_draft_probs=(request.spec_draft_probs[:len(drafts)]
                               if drafts and request.spec_draft_probs is not None else None),
+            grammar=request.grammar,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -482,6 +486,8 @@ class Scheduler:
         """Returns the status after the request's latest token: a FINISHED_* one or RUNNING."""
         if not request.ignore_eos and request.output_token_ids[-1] in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # structured output complete
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.config.max_model_len):
             return RequestStatus.FINISHED_LENGTH

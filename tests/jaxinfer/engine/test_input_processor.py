@@ -190,6 +190,32 @@ INVALID = [
      "skip_special_tokens", "must be a bool"),
     ("output-kind-unknown", "text", "r", [1], {"output_kind": "streaming"}, "output_kind",
      "must be one of ['cumulative', 'delta', 'final_only']"),
+    # structured output: its shape (SamplingParams), then compiling it (the processor)
+    ("structured-none-set", "text", "r", [1], {"structured_outputs": {}},
+     "structured_outputs", "exactly one of"),
+    ("structured-two-set", "text", "r", [1],
+     {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "got ['regex', 'choice']"),
+    ("structured-unknown-key", "text", "r", [1], {"structured_outputs": {"jsn": {}}},
+     "structured_outputs", "unknown keys ['jsn']"),
+    ("structured-not-an-object", "text", "r", [1], {"structured_outputs": "json"},
+     "structured_outputs", "must be an object"),
+    ("structured-choice-empty", "text", "r", [1], {"structured_outputs": {"choice": []}},
+     "structured_outputs", "non-empty list"),
+    ("structured-choice-text", "text", "r", [1], {"structured_outputs": {"choice": "yes"}},
+     "structured_outputs", "list of strings"),
+    ("structured-json-text-invalid", "text", "r", [1],
+     {"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not valid JSON"),
+    ("structured-bad-schema", "text", "r", [1],
+     {"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs",
+     "structured_outputs.json does not compile"),
+    ("structured-bad-regex", "text", "r", [1], {"structured_outputs": {"regex": "[0-9"}},
+     "structured_outputs", "structured_outputs.regex does not compile"),
+    ("structured-bad-grammar", "text", "r", [1],
+     {"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs",
+     "structured_outputs.grammar does not compile"),
+    ("structured-without-tokenizer", "ids", "r", [1],
+     {"structured_outputs": {"regex": "[0-9]"}}, "structured_outputs", "needs a tokenizer"),
 ]
 
 
@@ -292,6 +318,7 @@ def test_output_kind_value_is_normalized(processors):
     (SamplingParams(presence_penalty=0.1), False),
     (SamplingParams(frequency_penalty=-0.1), False),
     (SamplingParams(repetition_penalty=1.1), False),
+    (SamplingParams(structured_outputs={"regex": "[0-9]+"}), False),  # per-token masks
 ])
 def test_can_speculate(params, expected):
     assert can_speculate(params) is expected
@@ -301,6 +328,7 @@ def test_can_speculate(params, expected):
     (True, True, SamplingParams(), True),
     (True, False, SamplingParams(), False),  # the request opts out
     (True, True, SamplingParams(logprobs=1), False),  # needs per-token results
+    (True, True, SamplingParams(structured_outputs={"choice": ["a"]}), False),  # constrained
     (False, True, SamplingParams(), False),  # the engine does not speculate
 ])
 def test_which_requests_speculate(tokenizer, engine, request_opt_in, params, expected):
@@ -308,6 +336,19 @@ def test_which_requests_speculate(tokenizer, engine, request_opt_in, params, exp
     processed = processor.process("a", [1], params, speculative=request_opt_in)
     assert processed.speculate is expected
     assert all(sample.speculate is expected for sample in processed.samples)
+
+
+def test_structured_output_compiles_once_and_gives_each_sample_its_own_matcher(tokenizer):
+    processor = _processor(tokenizer)
+    params = SamplingParams(n=2, structured_outputs={"choice": ["yes", "no"]})
+    first = processor.process("a", [1], params)
+    second = processor.process("b", [1], params)
+    assert first.grammar is second.grammar  # the compiled grammar is cached
+    one, other = (sample.grammar for sample in first.samples)
+    assert one is not other
+    assert one.accept(tokenizer.encode("no", add_special_tokens=False)[0])
+    assert not other.is_terminated()  # advancing one sample leaves the other at the start
+    assert processor.process("c", [1], SamplingParams()).samples[0].grammar is None
 
 
 @pytest.mark.parametrize(("index", "n", "expected"), [

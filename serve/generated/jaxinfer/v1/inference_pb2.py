@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bjaxinfer/v1/inference.proto\x12\x0bjaxinfer.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xac\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12\x0e\n\x01n\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.jaxinfer.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmax_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x10 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x12\x17\n\nignore_eos\x18\x13 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x08logprobs\x18\x14 \x01(\x05H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x0f\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x10\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06promptB\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\"\xc1\x01\n\x0bSampleDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.jaxinfer.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xbe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07outputs\x18\x02 \x03(\x0b\x32\x18.jaxinfer.v1.SampleDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x36\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1d.jaxinfer.v1.PositionLogprobs\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xbc\x01\n\x11ModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x42\x0f\n\r_bos_token_id2\xba\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxinfer.v1.ModelInfoRequest\x1a\x1e.jaxinfer.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bjaxinfer/v1/inference.proto\x12\x0bjaxinfer.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe8\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12\x0e\n\x01n\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.jaxinfer.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmax_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x10 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x12\x17\n\nignore_eos\x18\x13 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x08logprobs\x18\x14 \x01(\x05H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x0f\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x10\x88\x01\x01\x12:\n\x12structured_outputs\x18\x17 \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06promptB\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\xae\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\"\xc1\x01\n\x0bSampleDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.jaxinfer.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xbe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07outputs\x18\x02 \x03(\x0b\x32\x18.jaxinfer.v1.SampleDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x36\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1d.jaxinfer.v1.PositionLogprobs\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xbc\x01\n\x11ModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x42\x0f\n\r_bos_token_id2\xba\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxinfer.v1.ModelInfoRequest\x1a\x1e.jaxinfer.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_GENERATEREQUEST']._serialized_start=70
-  _globals['_GENERATEREQUEST']._serialized_end=1010
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=692
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=740
-  _globals['_TOKENLOGPROB']._serialized_start=1012
-  _globals['_TOKENLOGPROB']._serialized_end=1061
-  _globals['_POSITIONLOGPROBS']._serialized_start=1063
-  _globals['_POSITIONLOGPROBS']._serialized_end=1165
-  _globals['_SAMPLEDELTA']._serialized_start=1168
-  _globals['_SAMPLEDELTA']._serialized_end=1361
-  _globals['_USAGE']._serialized_start=1363
-  _globals['_USAGE']._serialized_end=1442
-  _globals['_GENERATERESPONSE']._serialized_start=1445
-  _globals['_GENERATERESPONSE']._serialized_end=1635
-  _globals['_TOKENIZEREQUEST']._serialized_start=1637
-  _globals['_TOKENIZEREQUEST']._serialized_end=1724
-  _globals['_TOKENIZERESPONSE']._serialized_start=1726
-  _globals['_TOKENIZERESPONSE']._serialized_end=1779
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1781
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1877
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1879
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1913
-  _globals['_MODELINFOREQUEST']._serialized_start=1915
-  _globals['_MODELINFOREQUEST']._serialized_end=1933
-  _globals['_MODELINFORESPONSE']._serialized_start=1936
-  _globals['_MODELINFORESPONSE']._serialized_end=2124
-  _globals['_INFERENCE']._serialized_start=2127
-  _globals['_INFERENCE']._serialized_end=2441
+  _globals['_GENERATEREQUEST']._serialized_end=1070
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=752
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=800
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1073
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1247
+  _globals['_CHOICES']._serialized_start=1249
+  _globals['_CHOICES']._serialized_end=1275
+  _globals['_TOKENLOGPROB']._serialized_start=1277
+  _globals['_TOKENLOGPROB']._serialized_end=1326
+  _globals['_POSITIONLOGPROBS']._serialized_start=1328
+  _globals['_POSITIONLOGPROBS']._serialized_end=1430
+  _globals['_SAMPLEDELTA']._serialized_start=1433
+  _globals['_SAMPLEDELTA']._serialized_end=1626
+  _globals['_USAGE']._serialized_start=1628
+  _globals['_USAGE']._serialized_end=1707
+  _globals['_GENERATERESPONSE']._serialized_start=1710
+  _globals['_GENERATERESPONSE']._serialized_end=1900
+  _globals['_TOKENIZEREQUEST']._serialized_start=1902
+  _globals['_TOKENIZEREQUEST']._serialized_end=1989
+  _globals['_TOKENIZERESPONSE']._serialized_start=1991
+  _globals['_TOKENIZERESPONSE']._serialized_end=2044
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2046
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2142
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2144
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2178
+  _globals['_MODELINFOREQUEST']._serialized_start=2180
+  _globals['_MODELINFOREQUEST']._serialized_end=2198
+  _globals['_MODELINFORESPONSE']._serialized_start=2201
+  _globals['_MODELINFORESPONSE']._serialized_end=2389
+  _globals['_INFERENCE']._serialized_start=2392
+  _globals['_INFERENCE']._serialized_end=2706
 # @@protoc_insertion_point(module_scope)

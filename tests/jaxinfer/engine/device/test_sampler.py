@@ -15,6 +15,7 @@ import pytest
 
 from jaxinfer.engine.device.sampler import (
     SamplingArrays,
+    apply_allowed_bitmask,
     apply_logit_bias,
     apply_min_p,
     apply_penalties,
@@ -25,6 +26,7 @@ from jaxinfer.engine.device.sampler import (
     prompt_top_logprobs,
     sample_tokens,
     suppress_stop_tokens,
+    unconstrained_bitmask,
 )
 from jaxinfer.engine.sampling_params import SamplingParams
 
@@ -359,3 +361,65 @@ def test_build_sampling_arrays_errors():
     with pytest.raises(ValueError, match="not exceed the batch"):
         build_sampling_arrays([None], 6, prompt_token_ids=[[]], output_token_ids=[[]],
                               batch_size=0)
+
+
+# ---------------------------------------------------------------------- structured output
+
+
+def _bitmask(allowed_rows: list[list[int]], vocab: int, batch: int) -> np.ndarray:
+    """`[batch, ceil(vocab / 32)]` packed rows allowing the given ids (rows past the list:
+    every token)."""
+    bitmask = unconstrained_bitmask(batch, vocab)
+    for row, ids in enumerate(allowed_rows):
+        bits = np.zeros(bitmask.shape[1] * 32, np.bool_)
+        bits[ids] = True
+        bitmask[row] = np.packbits(bits, bitorder="little").view(np.int32)
+    return bitmask
+
+
+def test_allowed_bitmask_equals_llguidances_own_numpy_reference():
+    # 70 tokens: three words, the last one partly past the vocabulary; bit 31 (the sign bit
+    # of an int32 word) is allowed in row 0.
+    from llguidance.numpy import apply_token_bitmask_inplace
+    vocab, rng = 70, np.random.default_rng(3)
+    logits = rng.normal(size=(4, vocab)).astype(np.float32)  # [4, 70]
+    bitmask = rng.integers(-2**31, 2**31, size=(4, 3), dtype=np.int64).astype(np.int32)
+    bitmask[0, 0] |= np.int32(-2**31)
+    bitmask[3] = -1  # an unconstrained row
+    expected = logits.copy()
+    apply_token_bitmask_inplace(expected, bitmask)
+    masked = np.asarray(jax.jit(apply_allowed_bitmask)(logits, bitmask))
+    np.testing.assert_array_equal(masked, expected)
+    assert np.isfinite(masked[0, 31])
+    np.testing.assert_array_equal(masked[3], logits[3])  # all ones: bit-identical
+
+
+def test_constrained_and_unconstrained_rows_share_a_batch():
+    logits = jax.random.normal(jax.random.key(11), (B, V))  # [B, V]
+    free = np.argmax(np.asarray(logits), axis=-1)
+    allowed = [[2, 5], [int(free[1])], [0, 1, 3]]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=4)] + [SamplingParams(temperature=0.0)] * 3
+    arrays = build_sampling_arrays(params, V, prompt_token_ids=[[]] * B,
+                                   output_token_ids=[[]] * B,
+                                   allowed=_bitmask(allowed, V, 3))  # rows 3.. unconstrained
+    tokens, chosen, _, _ = _sample(logits, _keys(), arrays, num_logprobs=K)
+    tokens = np.asarray(tokens)
+    assert tokens[0] == [2, 5][int(np.argmax(np.asarray(logits)[0, [2, 5]]))]
+    assert tokens[1] == free[1]  # an allowed argmax is kept
+    assert tokens[2] in allowed[2]
+    np.testing.assert_array_equal(tokens[3:], free[3:])
+    # Logprobs are those of the masked distribution (they sum to 1 over the allowed tokens).
+    reference = _log_softmax(np.asarray(logits)[0, [2, 5]])
+    np.testing.assert_allclose(chosen[0], reference.max(), rtol=1e-5)
+    # A sampled constrained row never leaves its allowed set (uniform logits: without the
+    # mask, 20 draws would leave it with probability 1 - (3/8)^20).
+    draws = {int(_sample(jnp.zeros((B, V)), jax.random.split(jax.random.key(seed), B),
+                         arrays, num_logprobs=K)[0][2]) for seed in range(20)}
+    assert draws <= set(allowed[2])
+
+
+def test_sampling_arrays_reject_a_bitmask_of_the_wrong_width():
+    with pytest.raises(ValueError, match="bitmask words"):
+        build_sampling_arrays([None], V, prompt_token_ids=[[]], output_token_ids=[[]],
+                              allowed=np.zeros((1, 2), np.int32))
