@@ -10,6 +10,10 @@ pickle by name.
 Which program runs (the plain step or the one that also returns prompt logprobs) is a static
 choice made beside the inputs, not a field: it selects a different compiled program.
 
+`ModelRunner.execute` returns a `RunnerOutput` (host values: each request's `SampledToken`,
+its `PromptLogprobs`, its accepted drafts), or raises `RequestsFailedError` when packing failed
+because of some requests alone.
+
 Shapes use the project's one legend, `jaxinfer/typing.py`. Here T is the step's token bucket,
 Q its sequence bucket (<= max_num_seqs), R the runner's `num_speculative_tokens` and M its
 `max_logprobs`; a page table is `[Q, pages_per_sequence]` (the runner's page-table width).
@@ -17,8 +21,10 @@ Q its sequence bucket (<= max_num_seqs), R the runner's `num_speculative_tokens`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
+import numpy as np
 from jax import Array
 
 from jaxinfer.engine.device.sampler import SamplingArrays
@@ -71,3 +77,84 @@ class StepOutputs(NamedTuple):
     prompt_top_logprobs: Array | None = None  # [T, M] float32, their log-probabilities
     spec_tokens: Array | None = None  # [Q, R + 1] int32, accepted drafts then one more token
     num_accepted: Array | None = None  # [Q] int32, accepted drafts per sequence
+
+
+# ---------------------------------------------------------------------- what the runner returns
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledToken:
+    """The token sampled for one request in a step, with its logprobs.
+
+    Attributes:
+        token_id: The sampled token.
+        logprob: Its log-probability (after bias, penalties and min_tokens; see
+            `jaxinfer.engine.device.sampler`).
+        top_token_ids: `[M]` the M most likely tokens, most likely first (M is the runner's
+            `max_logprobs`; empty when no request of the step asked for logprobs).
+        top_logprobs: `[M]` their log-probabilities.
+        probabilities: `[V]` the distribution the token was drawn from (after temperature,
+            min_p, top-k and top-p), with `return_probabilities`; else None. Zeros when the
+            whole step was greedy (greedy drafts are verified by argmax, not by q).
+    """
+
+    token_id: int
+    logprob: float
+    top_token_ids: np.ndarray
+    top_logprobs: np.ndarray
+    probabilities: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of a run of prompt tokens, from one prefill chunk.
+
+    Attributes:
+        first_position: Prompt position of the first token described (>= 1: the first prompt
+            token has nothing before it to predict it).
+        logprobs: `[num_positions]` each token's log-probability given the tokens before it
+            (raw logits), for the chunk's `num_positions` prompt positions from
+            `first_position` on.
+        top_token_ids: `[num_positions, M]` the M most likely tokens at each of those positions.
+        top_logprobs: `[num_positions, M]` their log-probabilities.
+    """
+
+    first_position: int
+    logprobs: np.ndarray
+    top_token_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """What one step produced.
+
+    Attributes:
+        sampled: Per request with `needs_sample`, its token.
+        prompt_logprobs: Per request that asked for prompt logprobs and fed prompt tokens
+            with a successor this step, their logprobs.
+        speculated: Per request that brought drafts, its new tokens: the accepted drafts and
+            one more (such requests are not in `sampled`).
+    """
+
+    sampled: dict[str, SampledToken]
+    prompt_logprobs: dict[str, PromptLogprobs]
+    speculated: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
+class RequestsFailedError(ValueError):
+    """Packing a step's inputs failed because of some requests alone (each fails when packed
+    by itself); the step can run without them.
+
+    A `ValueError` whose message quotes each request's own error, so a caller of the runner
+    alone sees what was wrong (the engine fails just those requests instead).
+
+    Attributes:
+        errors: The failing requests' scheduler ids and what each raised.
+    """
+
+    def __init__(self, errors: dict[str, Exception]) -> None:
+        reasons = "; ".join(f"{request_id}: {error}" for request_id, error
+                            in sorted(errors.items()))
+        super().__init__(f"packing the step failed for requests {sorted(errors)} ({reasons})")
+        self.errors = errors
