@@ -434,10 +434,14 @@ class Engine:
         a fault of this request alone (e.g. a mask that allowed nothing): it fails, and the
         others carry on.
 
+        The live matchers' next masks are then computed on the grammar worker thread while
+        this thread processes the outputs and prepares the next step.
+
         Returns:
             The failed requests' final outputs.
         """
         failed = []
+        advanced = []
         for sequence in sequences:
             grammar = sequence.grammar
             tokens = new_tokens.get(sequence.request_id)
@@ -445,6 +449,7 @@ class Engine:
                 continue
             refused = next((token for token in tokens if not grammar.accept(token)), None)
             if refused is None:
+                advanced.append(grammar)
                 continue
             request_id = self.output_processor.parent_of(sequence.request_id)
             if request_id is None:  # a sibling sample's failure already ended it
@@ -455,6 +460,8 @@ class Engine:
                                                    "grammar")
             if output is not None:
                 failed.append(output)
+        if advanced:
+            self.input_processor.grammars.prefetch_masks(advanced)
         return failed
 
     def _propose_drafts(self) -> dict[str, Draft] | None:

@@ -6,6 +6,7 @@
     matcher.fill_bitmask(row)             # row: [ceil(V / 32)] int32, bit i = token i allowed
     matcher.accept(token_id)              # False: the token breaks the grammar
     matcher.is_terminated()               # the grammar is complete: the request stops
+    compiler.prefetch_masks([matcher])    # next masks computed on a worker thread
 
 We write no grammar engine: `llguidance` (the Rust engine behind vLLM's `guidance` backend
 and llama.cpp's grammars) compiles JSON schemas, regexes, choices and Lark/GBNF grammars
@@ -20,6 +21,17 @@ compiled program. V is the model's vocabulary, which may be larger than the toke
 (padded embeddings): ids past the tokenizer's vocabulary are never allowed in a constrained
 row.
 
+The masks are off the step's critical path. Once a step's tokens are accepted, the engine
+hands every live matcher to `GrammarCompiler.prefetch_masks`: one worker thread computes their
+next masks together (llguidance's parallel fill, which releases the GIL) while the engine
+thread processes the step's outputs, schedules the next step and prepares its inputs.
+`fill_bitmask` then only copies the finished row. A matcher never runs on two threads at
+once: each of its calls first waits for its pending mask, and `is_terminated` and `error`
+are recorded at `accept`, so the scheduler's checks never wait.
+
+Matchers start as copies of a compiled grammar's first matcher (`LLMatcher.deep_copy`,
+about a microsecond, where building one from the grammar takes ~0.6 ms).
+
 No jax here. The tokenizer's llguidance view (`LLTokenizer`) is built once per compiler (per
 engine), on the first constrained request, under a lock so any thread may compile.
 """
@@ -27,7 +39,9 @@ engine), on the first constrained request, under a lock so any thread may compil
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
+import os
 import threading
 from typing import Any
 
@@ -143,39 +157,62 @@ class GrammarMatcher:
 
     Args:
         matcher: A fresh llguidance matcher of the grammar.
-        valid_words: `[ceil(V / 32)]` int32, the bits of the ids a constrained row may ever
-            take (those below both the tokenizer's and the model's vocabulary size).
-        scratch_words: Words of llguidance's own mask (`ceil(tokenizer vocab / 32)`).
+        compiler: The compiler of its grammar (its valid ids, mask width and worker).
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, valid_words: np.ndarray,
-                 scratch_words: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
         self._matcher = matcher
-        self._valid = valid_words
-        self._scratch = np.zeros((1, scratch_words), np.int32)  # [1, ceil(V_tok / 32)]
+        self._compiler = compiler
+        self._terminated = bool(matcher.is_stopped())
+        self._error = ""
+        # The next token's mask, being computed by the compiler's worker: (the future, its
+        # `[M, ceil(V_tok / 32)]` buffer, this matcher's row in it).
+        self._pending: tuple[concurrent.futures.Future, np.ndarray, int] | None = None
+
+    def _settle(self) -> tuple[np.ndarray, int] | None:
+        """Waits for a pending mask (the worker is done with the matcher after this);
+        returns its buffer and row, or None when none was pending."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        future, buffer, index = pending
+        future.result()
+        return buffer, index
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Writes the next token's allowed set into `row` (`[ceil(V / 32)]` int32, bit
-        `i % 32` of word `i // 32` for token i), in place."""
-        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._scratch)
-        words = min(len(row), self._scratch.shape[1])
-        row[:words] = self._scratch[0, :words]
+        `i % 32` of word `i // 32` for token i), in place: the prefetched mask, or one
+        computed now."""
+        settled = self._settle()
+        if settled is None:
+            buffer, index = np.zeros((1, self._compiler.llg_words), np.int32), 0
+            llguidance.numpy.fill_next_token_bitmask(self._matcher, buffer, index)
+        else:
+            buffer, index = settled  # [M, ceil(V_tok / 32)]
+        words = min(len(row), buffer.shape[1])
+        row[:words] = buffer[index, :words]
         row[words:] = 0
-        np.bitwise_and(row, self._valid, out=row)
+        np.bitwise_and(row, self._compiler.valid_words, out=row)
 
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; False if the grammar does not allow it (the
         matcher is then in an error state for good)."""
-        return bool(self._matcher.consume_token(int(token_id)))
+        self._settle()  # the mask was for this position; the token moves past it
+        accepted = bool(self._matcher.consume_token(int(token_id)))
+        self._terminated = bool(self._matcher.is_stopped())
+        if not accepted:
+            self._error = self._matcher.get_error()
+        return accepted
 
     def is_terminated(self) -> bool:
-        """Whether the grammar is complete and allows nothing but the end of the output."""
-        return bool(self._matcher.is_stopped())
+        """Whether the grammar is complete and allows nothing but the end of the output
+        (as of the last `accept`: never waits for a prefetch)."""
+        return self._terminated
 
     @property
     def error(self) -> str:
         """Why the matcher failed, or "" while it has not."""
-        return self._matcher.get_error()
+        return self._error
 
 
 class CompiledGrammar:
@@ -184,13 +221,16 @@ class CompiledGrammar:
     def __init__(self, compiler: GrammarCompiler, spec: str) -> None:
         self._compiler = compiler
         self.spec = spec
+        self._first: llguidance.LLMatcher | None = None  # copied by each matcher()
+        self._lock = threading.Lock()
 
     def matcher(self) -> GrammarMatcher:
         """A matcher at the grammar's start (each sample of an n > 1 request gets its own)."""
-        compiler = self._compiler
-        return GrammarMatcher(llguidance.LLMatcher(compiler.llg_tokenizer, self.spec,
-                                                   log_level=0),
-                              compiler.valid_words, bitmask_words(compiler.llg_vocab_size))
+        with self._lock:
+            if self._first is None:
+                self._first = llguidance.LLMatcher(self._compiler.llg_tokenizer, self.spec,
+                                                   log_level=0)
+            return GrammarMatcher(self._first.deep_copy(), self._compiler)
 
 
 class GrammarCompiler:
@@ -210,6 +250,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._valid_words: np.ndarray | None = None
+        # Prefetched masks: one worker thread, each task one parallel fill over a step's
+        # matchers (llguidance's own threads, at most two: the device step wants the rest).
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
         # Grammar text -> its compiled grammar, most recently used last: a server checks a
         # request's parameters before queuing it and the engine compiles them again, and
         # clients tend to send the same schema many times.
@@ -241,6 +285,40 @@ class GrammarCompiler:
     def llg_vocab_size(self) -> int:
         """The tokenizer's vocabulary size as llguidance counts it."""
         return self.llg_tokenizer.vocab_size
+
+    @property
+    def llg_words(self) -> int:
+        """Words of llguidance's own mask rows: `ceil(tokenizer vocab / 32)`."""
+        return bitmask_words(self.llg_vocab_size)
+
+    def prefetch_masks(self, matchers: list[GrammarMatcher]) -> None:
+        """Starts computing the next masks of `matchers` (live ones: not terminated, not
+        failed) on the worker thread; their `fill_bitmask` takes the result."""
+        live = [matcher for matcher in matchers
+                if matcher._pending is None and not matcher._terminated and not matcher._error]
+        if not live:
+            return
+        with self._lock:
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="jaxinfer-grammar")
+                self._executor = llguidance.LLExecutor(
+                    num_threads=max(1, min(2, (os.cpu_count() or 1) - 1)))
+        buffer = np.zeros((len(live), self.llg_words), np.int32)  # [M, ceil(V_tok / 32)]
+        targets = [(matcher._matcher, index) for index, matcher in enumerate(live)]
+        started = threading.Event()
+
+        def fill() -> None:
+            started.set()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, targets, buffer)
+
+        future = self._worker.submit(fill)
+        # Wait until the worker holds the GIL and is entering llguidance, which releases it:
+        # otherwise the worker would wait for this thread's GIL switch interval (5 ms, longer
+        # than the host work it is meant to overlap) before it could start.
+        started.wait()
+        for index, matcher in enumerate(live):
+            matcher._pending = (future, buffer, index)
 
     @property
     def valid_words(self) -> np.ndarray:

@@ -92,6 +92,46 @@ def test_a_matcher_follows_its_tokens_to_completion(tokenizer):
     assert not fresh.accept(letter) and fresh.error
 
 
+def test_prefetched_masks_equal_masks_computed_in_place(tokenizer):
+    # Two matchers per sample take the same tokens: one fills its mask in place, the other
+    # (with the other samples', in one batch) gets it from the worker thread. Each sample
+    # walks its own path through the grammar: the lowest, highest or middle allowed id.
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    grammar = compiler.compile("r", StructuredOutputsParams(regex="[a-z0-9 ,]{1,40}"))
+    pickers = [min, max, lambda ids: sorted(ids)[len(ids) // 2]]
+    in_place = [grammar.matcher() for _ in pickers]
+    prefetched = [grammar.matcher() for _ in pickers]
+    row, other = (np.zeros(bitmask_words(tokenizer.vocab_size), np.int32) for _ in range(2))
+    for _ in range(8):
+        compiler.prefetch_masks(prefetched)
+        for pick, first, second in zip(pickers, in_place, prefetched):
+            first.fill_bitmask(row)
+            second.fill_bitmask(other)
+            np.testing.assert_array_equal(other, row)
+            allowed = _allowed_ids(row) - set(tokenizer.eos_token_ids)
+            token = pick(allowed)
+            assert first.accept(token) and second.accept(token)
+    finished = compiler.compile("r", StructuredOutputsParams(choice=["x"])).matcher()
+    assert finished.accept(tokenizer.encode("x", add_special_tokens=False)[-1])
+    assert finished.is_terminated()
+    compiler.prefetch_masks([finished])  # terminated: nothing to compute, nothing pending
+    assert finished._pending is None
+
+
+def test_a_prefetched_mask_is_dropped_when_a_token_is_accepted_first(tokenizer):
+    # A request not scheduled to sample may still advance (speculation, a forced token):
+    # the accept waits for the worker, and the next mask is for the new position.
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    matcher = compiler.compile("r", StructuredOutputsParams(regex="[0-9]{2}")).matcher()
+    compiler.prefetch_masks([matcher])
+    digits = tokenizer.encode("42", add_special_tokens=False)
+    for token in digits:
+        assert matcher.accept(token)
+    row = np.zeros(bitmask_words(tokenizer.vocab_size), np.int32)
+    matcher.fill_bitmask(row)
+    assert _allowed_ids(row) == set(tokenizer.eos_token_ids)
+
+
 def test_ids_past_the_tokenizers_vocabulary_are_never_allowed(sentencepiece_tokenizer):
     # The model's vocabulary may be padded past the tokenizer's (here by 40 ids, one more
     # word): a constrained row never allows those ids, whatever the grammar.
