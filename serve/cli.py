@@ -111,6 +111,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from jaxinfer.cli import CommandError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # jax logs its backend probes at INFO ("Unable to initialize backend 'tpu'" on every
+    # machine without libtpu): noise to a user; a backend that is wanted and fails still
+    # raises, and JAX_PLATFORMS names the wanted one.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
         # Before anything touches a device: a multi-host run joins jax.distributed first.
         distributed.initialize(distributed.config_from_args(args))
