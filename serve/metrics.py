@@ -26,11 +26,14 @@ Where the `vllm:` series differ from vLLM's own:
 - A request with n > 1 samples counts once (vLLM counts each sample as a request in
   `request_success`, `prompt_tokens` and the per-request histograms), and its inter-token
   latency is the gap between its outputs (all samples together), as its stream shows it.
-- Times are taken where the server sees the outputs, not in the engine loop.
+- Time to first token, inter-token latency, end-to-end latency and decode time are taken
+  where the server sees the outputs; queue, prefill and inference times come from the engine
+  (`RequestOutput.times`: arrival, first step, first and last token), as vLLM's do.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 
@@ -42,10 +45,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
-from jaxinfer.engine.core import EngineStats
-from jaxinfer.engine.outputs import RequestOutput
+from jaxinfer.engine.client import ITERATION_TOKEN_BUCKETS, EngineStats
+from jaxinfer.engine.outputs import RequestOutput, RequestTimes
 from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 
 # Seconds; from a few milliseconds (a cached decode step) to minutes (a long CPU generation).
@@ -260,6 +268,18 @@ class VllmRequestMetrics:
         self.request_decode_time = histogram(
             "vllm:request_decode_time_seconds",
             "First generated token to the last, per finished request.", _VLLM_REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a finished request waited before its first engine step.",
+            _VLLM_REQUEST_BUCKETS)
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "First engine step to first generated token, per finished request.",
+            _VLLM_REQUEST_BUCKETS)
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "First engine step to last generated token, per finished request.",
+            _VLLM_REQUEST_BUCKETS)
 
     def success(self, finish_reason: str) -> Counter:
         """The request_success series of `finish_reason`."""
@@ -327,6 +347,24 @@ class _VllmEngineCollector:
             family = CounterMetricFamily(name, documentation, labels=_VLLM_LABELS)
             family.add_metric(self._values, value)
             yield family
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.",
+            labels=(*_VLLM_LABELS, "position"))
+        for position, value in enumerate(stats.accepted_per_position):
+            per_position.add_metric([*self._values, str(position)], value)
+        yield per_position
+        counts = stats.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        cumulative = list(itertools.accumulate(counts))
+        iteration = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Tokens run by each engine step.",
+            labels=_VLLM_LABELS)
+        iteration.add_metric(
+            self._values,
+            [(str(float(bound)), count) for bound, count in zip(ITERATION_TOKEN_BUCKETS,
+                                                                cumulative)]
+            + [("+Inf", cumulative[-1])], sum_value=stats.iteration_tokens_sum)
+        yield iteration
 
 
 class RequestTimer:
@@ -348,9 +386,12 @@ class RequestTimer:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.num_tokens = 0
+        self.engine_times: RequestTimes | None = None  # the engine's own, latest seen
 
     def output(self, output: RequestOutput) -> None:
         """Records one of the request's outputs (a delta, or the whole state so far)."""
+        if output.times is not None:
+            self.engine_times = output.times
         counts = self._sample_tokens
         for sample in output.outputs:
             new = len(sample.token_ids)
@@ -401,6 +442,13 @@ class RequestTimer:
             vllm.request_time_per_output_token.observe(tpot)
         if self.first_token is not None and self.last_token is not None:
             vllm.request_decode_time.observe(self.last_token - self.first_token)
+        times = self.engine_times
+        if times is not None:  # the phases inside the engine, as vLLM's engine times them
+            for series, seconds in ((vllm.request_queue_time, times.queue_seconds),
+                                    (vllm.request_prefill_time, times.prefill_seconds),
+                                    (vllm.request_inference_time, times.inference_seconds)):
+                if seconds is not None:
+                    series.observe(seconds)
         vllm.prompt_tokens.inc(prompt_tokens)
         vllm.generation_tokens.inc(self.num_tokens)
         vllm.success(finish_reason).inc()

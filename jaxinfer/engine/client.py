@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from jaxinfer.engine.sampling_params import SamplingParams
     from jaxinfer.tokenizer import Tokenizer
 
+# Upper bounds of the steps-by-tokens histogram (`EngineStats.iteration_tokens`): vLLM's
+# `vllm:iteration_tokens_total` buckets (its CUDA-graph batch sizes, then powers of two).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def add_counts(*parts: tuple[int, ...]) -> tuple[int, ...]:
+    """Element-wise sums of count tuples of any lengths (missing entries count 0)."""
+    width = max((len(part) for part in parts), default=0)
+    return tuple(sum(part[index] for part in parts if index < len(part))
+                 for index in range(width))
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
@@ -41,6 +52,12 @@ class EngineStats:
         prefix_cache_queries: Prompt tokens looked up in the prefix cache.
         prefix_cache_hits: Of those, the ones found.
         num_unfinished_requests: User requests added and neither finished nor aborted.
+        accepted_per_position: Accepted drafts at each draft position
+            (`SpecStats.accepted_per_position`).
+        iteration_tokens: Steps by the tokens they ran: count i is of the steps with more
+            tokens than `ITERATION_TOKEN_BUCKETS[i - 1]` and at most
+            `ITERATION_TOKEN_BUCKETS[i]` (the last count: more than every bound).
+        iteration_tokens_sum: Tokens run by all steps.
     """
 
     num_running: int
@@ -56,11 +73,15 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_unfinished_requests: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def spec(self) -> SpecStats:
         """The speculative-decoding counters, with their rates."""
-        return SpecStats(self.num_spec_steps, self.num_draft_tokens, self.num_accepted_tokens)
+        return SpecStats(self.num_spec_steps, self.num_draft_tokens, self.num_accepted_tokens,
+                         list(self.accepted_per_position))
 
     @property
     def spec_acceptance_rate(self) -> float:

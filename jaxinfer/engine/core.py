@@ -62,6 +62,7 @@ counted) instead of computing and storing the prompt n times.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -69,7 +70,7 @@ import time
 from jax.sharding import Mesh
 
 from jaxinfer.compilation_cache import enable_compilation_cache
-from jaxinfer.engine.client import EngineStats
+from jaxinfer.engine.client import ITERATION_TOKEN_BUCKETS, EngineStats
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.device.runner import (
     ModelRunner,
@@ -184,6 +185,9 @@ class Engine:
                                   channel=step_channel, channel_tag=channel_tag)
         self.speculative = config.speculative
         self.spec_stats = SpecStats()
+        # Steps by the tokens they ran (`EngineStats.iteration_tokens`).
+        self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
         # Wall seconds of each part of `step`: drafting, scheduling, the runner (its own
         # `seconds` split it into host packing and device time) and output processing.
         self.seconds = dict.fromkeys(("propose", "schedule", "execute", "outputs"), 0.0)
@@ -345,6 +349,11 @@ class Engine:
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if scheduled.is_empty:
             return []
+        self.output_processor.scheduled(
+            sequence.request_id for sequence in scheduled.scheduled_requests)
+        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS,
+                                                  scheduled.num_scheduled_tokens)] += 1
+        self._iteration_tokens_sum += scheduled.num_scheduled_tokens
         executing = time.perf_counter()
         result, sequences, failed_outputs = self._execute(scheduled.scheduled_requests)
         executed = time.perf_counter()
@@ -534,7 +543,10 @@ class Engine:
             num_free_pages=manager.num_free_blocks,
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,
-            num_unfinished_requests=self.num_unfinished_requests)
+            num_unfinished_requests=self.num_unfinished_requests,
+            accepted_per_position=tuple(self.spec_stats.accepted_per_position),
+            iteration_tokens=tuple(self._iteration_tokens),
+            iteration_tokens_sum=self._iteration_tokens_sum)
 
     @property
     def num_free_pages(self) -> int:

@@ -20,7 +20,7 @@ import dataclasses
 
 import jax
 
-from jaxinfer.engine.client import EngineStats
+from jaxinfer.engine.client import EngineStats, add_counts
 from jaxinfer.engine.core import Engine
 from jaxinfer.engine.device.runner import ModelRunner
 from jaxinfer.engine.errors import RequestError
@@ -156,7 +156,10 @@ class DataParallelEngine:
             num_accepted_tokens=sum(part.num_accepted_tokens for part in parts),
             num_free_pages=sum(part.num_free_pages for part in parts),
             prefix_cache_queries=queried, prefix_cache_hits=hits,
-            num_unfinished_requests=sum(part.num_unfinished_requests for part in parts))
+            num_unfinished_requests=sum(part.num_unfinished_requests for part in parts),
+            accepted_per_position=add_counts(*(part.accepted_per_position for part in parts)),
+            iteration_tokens=add_counts(*(part.iteration_tokens for part in parts)),
+            iteration_tokens_sum=sum(part.iteration_tokens_sum for part in parts))
 
     @property
     def num_free_pages(self) -> int:

@@ -29,7 +29,9 @@ No jax here: runner results are read through their attributes only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -38,7 +40,7 @@ import numpy as np
 from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.host.draft import SpecStats
 from jaxinfer.engine.input_processor import ProcessedRequest, child_request_id
-from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
+from jaxinfer.engine.outputs import CompletionOutput, RequestOutput, RequestTimes
 from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 
@@ -203,6 +205,7 @@ class RequestState:
         self._prompt_logprobs_sent = False
         self.speculative: SpecStats | None = (
             SpecStats() if processed.speculate else None)
+        self.times = RequestTimes(time.monotonic())
 
     @property
     def finished(self) -> bool:
@@ -264,13 +267,13 @@ class RequestState:
         finished = final or self.finished
         if self.kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        speculative = None if self.speculative is None else SpecStats(
-            **vars(self.speculative))
+        speculative = None if self.speculative is None else self.speculative.copy()
+        times = dataclasses.replace(self.times)
         if self.kind is not RequestOutputKind.DELTA:
             return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                                  [sample.output() for sample in self.samples], finished,
                                  prompt_logprobs=self._complete_prompt_logprobs(),
-                                 speculative=speculative)
+                                 speculative=speculative, times=times)
         samples = [delta for delta in (sample.delta() for sample in self.samples)
                    if delta is not None]
         prompt_logprobs = None
@@ -281,7 +284,7 @@ class RequestState:
             return None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, samples,
                              finished, prompt_logprobs=prompt_logprobs,
-                             speculative=speculative)
+                             speculative=speculative, times=times)
 
 
 class ProcessedStep(NamedTuple):
@@ -342,6 +345,14 @@ class OutputProcessor:
         aborted (a deferred sample of an n > 1 request is admitted only then)."""
         return sample_id in self._samples
 
+    def scheduled(self, sample_ids: Iterable[str]) -> None:
+        """Notes the time a step first ran each request (any of its samples)."""
+        now = time.monotonic()
+        for sample_id in sample_ids:
+            entry = self._samples.get(sample_id)
+            if entry is not None and entry[0].times.first_scheduled_time is None:
+                entry[0].times.first_scheduled_time = now
+
     def process(self, updates: Iterable[Any], sampled: dict[str, Any],
                 prompt_logprobs: dict[str, Any]) -> ProcessedStep:
         """Applies one step's results.
@@ -356,6 +367,7 @@ class OutputProcessor:
             sampled: The runner's sampled tokens by scheduler id (logprobs read from them).
             prompt_logprobs: The runner's prompt-logprob chunks by scheduler id.
         """
+        now = time.monotonic()
         failures: dict[str, tuple[RequestState, BaseException]] = {}
         for sample_id, chunk in prompt_logprobs.items():
             state = self._samples[sample_id][0]
@@ -381,6 +393,11 @@ class OutputProcessor:
                                              token.top_logprobs[:top])]
                 sample = state.samples[index]
                 stop_string = sample.add(update.new_token_ids, update.finish_reason, logprobs)
+                if update.new_token_ids:
+                    times = state.times
+                    if times.first_token_time is None:
+                        times.first_token_time = now
+                    times.last_token_time = now
             except Exception as error:  # this request's failure alone
                 failures[state.request_id] = (state, error)
                 continue

@@ -1,5 +1,6 @@
 """What users get back (vLLM's shapes): `RequestOutput` holding `CompletionOutput`s, with the
-request's speculative-decoding counters (`jaxinfer.engine.host.draft.SpecStats`)."""
+request's speculative-decoding counters (`jaxinfer.engine.host.draft.SpecStats`) and the times
+it reached each stage in the engine (`RequestTimes`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,45 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestTimes:
+    """When a request reached each stage in the engine, in `time.monotonic()` seconds (vLLM's
+    request-phase metrics are differences of these).
+
+    Attributes:
+        arrival_time: The engine took the request.
+        first_scheduled_time: A step first ran one of its samples; None before.
+        first_token_time: Its first generated token; None before.
+        last_token_time: Its latest generated token; None before the first.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """Waiting before its first step."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_seconds(self) -> float | None:
+        """First step to first token (the prompt's prefill, chunks included)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def inference_seconds(self) -> float | None:
+        """First step to last token (prefill and decode)."""
+        if self.first_scheduled_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_scheduled_time
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """A request's prompt and its samples so far.
 
@@ -54,6 +94,8 @@ class RequestOutput:
             when the engine speculates; else None.
         error: Why the engine gave up on this request alone (its unfinished samples end with
             finish_reason "error"); None otherwise. A server answers it with an error.
+        times: When the request reached each stage in the engine (a copy, as of this
+            output); None where the engine did not record them.
     """
 
     request_id: str
@@ -64,6 +106,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     speculative: SpecStats | None = None
     error: str | None = None
+    times: RequestTimes | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Appends a DELTA output of the same request (`SamplingParams.output_kind`), so a
@@ -88,6 +131,8 @@ class RequestOutput:
             self.speculative = delta.speculative
         if delta.error is not None:
             self.error = delta.error
+        if delta.times is not None:
+            self.times = delta.times
 
     def snapshot(self) -> RequestOutput:
         """An independent copy (later `add`s do not change it)."""
@@ -98,4 +143,5 @@ class RequestOutput:
                                  else list(sample.logprobs)) for sample in self.outputs],
             self.finished, prompt_logprobs=self.prompt_logprobs,
             speculative=None if self.speculative is None
-            else dataclasses.replace(self.speculative), error=self.error)
+            else self.speculative.copy(), error=self.error,
+            times=None if self.times is None else dataclasses.replace(self.times))

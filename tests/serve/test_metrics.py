@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer.cli import build_parser
 from jaxinfer.engine.core import EngineStats
+from jaxinfer.engine.host.draft import SpecStats
 from serve.cli import service_config_from_args
 from serve.metrics import ServingMetrics
 from serve.service import ServiceConfig
@@ -88,14 +89,6 @@ NOT_EXPORTED = {
                                       "pool; our block pool keeps no block timestamps",
     "vllm:kv_block_idle_before_evict_seconds": "as vllm:kv_block_lifetime_seconds",
     "vllm:kv_block_reuse_gap_seconds": "as vllm:kv_block_lifetime_seconds",
-    # Data the engine does not report to the server yet (a follow-up in jaxinfer/engine).
-    "vllm:request_queue_time_seconds": "needs the time a request was first scheduled, which "
-                                       "RequestOutput does not carry",
-    "vllm:request_prefill_time_seconds": "as vllm:request_queue_time_seconds",
-    "vllm:request_inference_time_seconds": "as vllm:request_queue_time_seconds",
-    "vllm:iteration_tokens_total": "needs each step's token count; EngineStats has totals only",
-    "vllm:spec_decode_num_accepted_tokens_per_pos": "the engine counts accepted drafts in "
-                                                    "total, not per draft position",
 }
 # Our series whose values the vLLM names must repeat (after the requests below).
 SAME_VALUE = [
@@ -178,6 +171,32 @@ def test_speculative_decoding_series():
     assert _value(text, "vllm:spec_decode_num_accepted_tokens_total") == 9
 
 
+def test_accepted_drafts_per_position_and_steps_by_tokens():
+    spec = SpecStats()
+    for drafted, accepted in ((3, 3), (3, 1), (2, 0), (3, 2)):
+        spec.add(drafted, accepted)
+    assert spec.accepted_per_position == [3, 2, 1]  # stops at the first rejection
+    assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
+    stats = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                        prefix_cache_hit_rate=0.0, num_preemptions=0, num_steps=3,
+                        num_spec_steps=4, num_draft_tokens=11, num_accepted_tokens=6,
+                        accepted_per_position=tuple(spec.accepted_per_position),
+                        iteration_tokens=(1, 1, 0, 0, 0, 1), iteration_tokens_sum=134)
+    text = ServingMetrics(lambda: stats, "demo").render().decode()
+    per_position = {int(position): _samples(text, position=position)[
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total"] for position in ("0", "1", "2")}
+    assert per_position == {0: 3, 1: 2, 2: 1}
+    samples = _samples(text, engine="0", model_name="demo")
+    assert samples["vllm:iteration_tokens_total_count"] == 3
+    assert samples["vllm:iteration_tokens_total_sum"] == 134
+    buckets = {sample.labels["le"]: sample.value
+               for family in text_string_to_metric_families(text)
+               if family.name == "vllm:iteration_tokens_total"
+               for sample in family.samples if sample.name.endswith("_bucket")}
+    assert (buckets["1.0"], buckets["8.0"], buckets["64.0"], buckets["128.0"],
+            buckets["+Inf"]) == (1, 2, 2, 3, 3)
+
+
 def test_no_speculation_reports_zeros():
     stats = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
                         prefix_cache_hit_rate=0.0, num_preemptions=0, num_steps=0)
@@ -227,7 +246,8 @@ def test_vllm_names_are_exported_with_vllms_types_labels_and_our_values(server):
         assert name in families, f"{name} is missing from /metrics"
         family = families[name]
         assert family.type == kind, (name, family.type, kind)
-        assert family.samples, name
+        # Per draft position: one series per position drafted so far (none: no speculation).
+        assert family.samples or name == "vllm:spec_decode_num_accepted_tokens_per_pos", name
         for sample in family.samples:
             assert set(sample.labels) - {"le"} == set(labels), (sample.name, sample.labels)
             assert sample.labels["model_name"] == "demo" and sample.labels["engine"] == "0"
@@ -262,6 +282,15 @@ def test_vllm_names_are_exported_with_vllms_types_labels_and_our_values(server):
     assert grew("vllm:request_generation_tokens_sum") == 2 * 5 + 4 + 3
     assert grew("vllm:request_prompt_tokens_count") == 3
     assert grew("vllm:request_decode_time_seconds_count") == 3
+    # The engine's own phase times: every request was scheduled and generated.
+    for phase in ("queue", "prefill", "inference"):
+        assert grew(f"vllm:request_{phase}_time_seconds_count") == 3, phase
+    assert now["vllm:request_inference_time_seconds_sum"] >= now[
+        "vllm:request_prefill_time_seconds_sum"] > 0
+    # Each engine step counted once, by the tokens it ran (the prompts' and the samples').
+    assert grew("vllm:iteration_tokens_total_count") >= 5
+    assert grew("vllm:iteration_tokens_total_sum") >= (
+        grew("vllm:request_prompt_tokens_sum") + 2 * 5 + 4 + 3 - 3 - 1)
     # One gap per output that brings tokens after the request's first: at most one fewer
     # than the request's tokens (all samples together).
     assert 0 < grew("vllm:inter_token_latency_seconds_count") <= (2 * 5 - 1) + (4 - 1) + (3 - 1)

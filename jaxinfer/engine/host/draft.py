@@ -37,11 +37,15 @@ class SpecStats:
         num_spec_steps: Target request-steps that verified drafts.
         num_draft_tokens: Draft tokens verified.
         num_accepted_tokens: Of those, the accepted ones.
+        accepted_per_position: Accepted drafts at each draft position (0 = the first draft
+            token): acceptance stops at the first rejection, so position i counts the
+            verification steps that accepted more than i drafts.
     """
 
     num_spec_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Counts one verification step (nothing if it had no drafts)."""
@@ -49,6 +53,14 @@ class SpecStats:
             self.num_spec_steps += 1
             self.num_draft_tokens += num_draft_tokens
             self.num_accepted_tokens += num_accepted_tokens
+            positions = self.accepted_per_position
+            positions.extend([0] * (num_draft_tokens - len(positions)))
+            for position in range(num_accepted_tokens):
+                positions[position] += 1
+
+    def copy(self) -> SpecStats:
+        """An independent copy."""
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
 
     @property
     def acceptance_rate(self) -> float:

@@ -141,3 +141,33 @@ def test_bad_requests_are_rejected_and_the_rest_carry_on(model):
         engine.add_request("long", [1] * 64, _greedy(3))
     assert len(_collect(engine)["good"]) == 3
     assert engine.num_free_pages == engine.config.num_pages - 1
+
+
+def test_outputs_carry_the_requests_stage_times_and_stats_count_steps_by_tokens(model):
+    # max_num_batched_tokens 16: the 40-token prompt takes three chunks before its first
+    # token, so its first step comes before its first token.
+    config = EngineConfig.from_options(page_size=16, max_num_batched_tokens=16, max_num_seqs=4,
+                                       max_model_len=128)
+    engine = Engine(model, config)
+    engine.add_request("long", list(range(3, 43)), _greedy(3))
+    engine.add_request("short", [5, 6, 7], _greedy(3))
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            times = output.times
+            assert times is not None and times.first_scheduled_time is not None
+            if output.outputs[0].token_ids:
+                assert times.arrival_time <= times.first_scheduled_time \
+                    <= times.first_token_time <= times.last_token_time
+            if output.finished:
+                finals[output.request_id] = times
+        steps += 1
+    assert set(finals) == {"long", "short"}
+    long = finals["long"]
+    assert long.queue_seconds >= 0 and long.prefill_seconds > 0
+    assert long.inference_seconds >= long.prefill_seconds
+    stats = engine.stats()
+    assert sum(stats.iteration_tokens) == stats.num_steps == steps
+    # Every prompt token once, and every generated token but each request's last as input.
+    assert stats.iteration_tokens_sum == 40 + 3 + 2 * (3 - 1)
+    assert stats.iteration_tokens[0] == 0  # no step ran a single token here

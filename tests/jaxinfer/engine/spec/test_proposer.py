@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import pytest
 
 from jaxinfer.config import get_preset
+from jaxinfer.engine.client import add_counts
 from jaxinfer.engine.config import SpeculativeConfig
 from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.host.draft import Draft, SpecStats
@@ -91,6 +92,9 @@ def _generate(model, proposer, prompts):
                 for name in ("num_spec_steps", "num_draft_tokens", "num_accepted_tokens"):
                     setattr(per_request, name,
                             getattr(per_request, name) + getattr(output.speculative, name))
+                per_request.accepted_per_position = list(add_counts(
+                    per_request.accepted_per_position,
+                    output.speculative.accepted_per_position))
     assert engine.num_free_pages == engine.config.num_pages - 1
     return engine, [outputs[str(index)] for index in range(len(prompts))], per_request
 
