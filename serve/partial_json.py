@@ -1,7 +1,7 @@
 """A JSON scanner for text that is still being generated: where each value lies, and whether
 the text so far can still become valid JSON.
 
-    scanned = scan('{"name": "get_weather", "arguments": {"city": "Par', 0)
+    scanned = scan('{"name": "get_weather", "arguments": {"city": "Par')
     scanned.status                        # "partial": a valid prefix, not yet complete
     scanned.spans[("name",)]              # Span(9, 22): the complete string, quotes included
     scanned.spans[("arguments",)]         # Span(37, None): open until the text goes on
@@ -15,7 +15,8 @@ arguments span by span concatenates to exactly the finished arguments.
 Python's `json` cannot do this: `raw_decode` tells a truncated value from an invalid one only
 by the wording of its error. Strings, numbers and literals are matched by regular expressions
 (the bulk of the text, at C speed); the structure by an explicit stack, so deep nesting costs
-no recursion.
+no recursion. A `Scanner` resumes where the text ran out, so a stream that re-reads its text
+on every delta (`Scans`) reads each character about once.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import json
 import re
 from typing import Any, Literal
 
-# A complete string token, and a string still open at the end of the text (perhaps inside an
-# escape). Control characters are invalid inside strings, as `json.loads` (strict) holds.
-_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"')
-_OPEN_STRING = re.compile(
-    r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*(?:\\(?:u[0-9a-fA-F]{0,3})?)?\Z')
+# A string's body (whole characters and escapes), and what may follow it at the end of the
+# text while the string is open: part of an escape. Control characters are invalid inside
+# strings, as `json.loads` (strict) holds.
+_STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+_OPEN_ESCAPE = re.compile(r"(?:\\(?:u[0-9a-fA-F]{0,3})?)?\Z")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 # A run of number characters reaching the end of the text that can still grow into a number
 # ("-", "1.", "2e+").
@@ -104,15 +105,22 @@ class _Container:
     count: int = 0  # the array elements begun so far
 
 
-def _scalar_end(text: str, pos: int) -> tuple[Status, int]:
+def _scalar_end(text: str, pos: int, checked: int | None = None) -> tuple[Status, int]:
     """Where the string, number or literal at `pos` ends: ("complete", end), ("partial",
-    len(text)) when the text ends inside it, or ("invalid", pos)."""
+    len(text)) when the text ends inside it, or ("invalid", pos).
+
+    Args:
+        text: The text.
+        pos: Where the scalar begins.
+        checked: For a string: how far its body is already known to be valid (resuming).
+    """
     char = text[pos]
     if char == '"':
-        match = _STRING.match(text, pos)
-        if match:
-            return "complete", match.end()
-        return ("partial", len(text)) if _OPEN_STRING.match(text, pos) else ("invalid", pos)
+        body = _STRING_BODY.match(text, checked or pos + 1)
+        if body.end() < len(text) and text[body.end()] == '"':
+            return "complete", body.end() + 1
+        return ("partial", len(text)) if _OPEN_ESCAPE.match(text, body.end()) else (
+            "invalid", pos)
     if char == "-" or char.isdigit():
         # The text ends inside it: "12" may yet become "125", "1." become "1.5".
         if _NUMBER_RUN.match(text, pos) and _NUMBER_PREFIX.match(text, pos):
@@ -127,95 +135,152 @@ def _scalar_end(text: str, pos: int) -> tuple[Status, int]:
     return "invalid", pos
 
 
+class Scanner:
+    """Scans the one JSON value that begins at `start` (after optional whitespace), and
+    resumes where it stopped when called again with the text grown by appending.
+
+    Streaming re-reads the text on every delta; resuming makes that linear in the text
+    (a fresh scan each time would be quadratic: seconds for a 10 kB argument). When the
+    text ends inside a token the state stays at the token's start (inside a string: at the
+    last whole character), so the next call re-reads only that token.
+
+    Args:
+        start: Where the value may begin.
+        depth: Record the spans of values nested up to this deep (1: the top-level object's
+            members or array's elements; 2: theirs too).
+    """
+
+    def __init__(self, start: int = 0, depth: int = 2) -> None:
+        self.depth = depth
+        self.result = Scan("partial", start)
+        self._pos = start
+        self._stack: list[_Container] = []
+        self._path: Path = ()  # the path of the value about to begin
+        self._expecting_value = True
+        self._string_checked: int | None = None  # an open string's body is valid up to here
+
+    def scan(self, text: str) -> Scan:
+        """The scan of `text` (the text of the previous call with more appended).
+
+        Returns:
+            The status, the end and the spans (see `Scan`); the same object on every call,
+            updated. Text after a complete value is not looked at.
+        """
+        result = self.result
+        if result.status != "partial":
+            return result  # complete or invalid: more text changes neither
+        while True:
+            pos = self._pos = _WHITESPACE.match(text, self._pos).end()
+            if pos == len(text):
+                result.end = pos
+                return result  # partial: the text ends before the value does
+            char = text[pos]
+            if not result.kind:
+                result.kind = char
+            if self._expecting_value:
+                if 0 < len(self._path) <= self.depth:
+                    result.spans[self._path] = Span(pos)
+                if char in "{[":
+                    self._stack.append(_Container(self._path, char == "{",
+                                                  "key_or_end" if char == "{" else
+                                                  "value_or_end"))
+                    self._pos += 1
+                    self._expecting_value = False
+                    continue
+                if not self._scalar(text, pos):
+                    return result
+                self._end_value(self._pos)
+                self._expecting_value = False
+                if not self._stack:
+                    result.status, result.end = "complete", self._pos
+                    return result
+                self._stack[-1].expect = "comma_or_end"
+            elif not self._structure(text, pos, char):
+                return result
+            elif not self._stack:
+                result.status, result.end = "complete", self._pos
+                return result
+
+    def _scalar(self, text: str, pos: int) -> bool:
+        """Reads the scalar at `pos`; False (the result says why) unless it is complete."""
+        status, end = _scalar_end(text, pos, self._string_checked)
+        if status == "complete":
+            self._pos, self._string_checked = end, None
+            return True
+        self.result.status, self.result.end = status, end
+        if status == "partial" and text[pos] == '"':
+            # Resume inside the string at its last whole character, not at its start.
+            self._string_checked = _STRING_BODY.match(text, self._string_checked or pos + 1
+                                                      ).end()
+        return False
+
+    def _end_value(self, at: int) -> None:
+        if 0 < len(self._path) <= self.depth:
+            self.result.spans[self._path].end = at
+
+    def _structure(self, text: str, pos: int, char: str) -> bool:
+        """Reads a key, colon, comma or closing bracket; False (the result says why) when the
+        text ends inside a key or the character cannot come here."""
+        container = self._stack[-1]
+        expect = container.expect
+        if container.is_object and expect in ("key_or_end", "key") and char == '"':
+            if not self._scalar(text, pos):
+                return False
+            container.key = json.loads(text[pos:self._pos])
+            container.expect = "colon"
+        elif container.is_object and expect == "colon" and char == ":":
+            self._path = (*container.path, container.key)
+            self._expecting_value = True
+            self._pos += 1
+        elif not container.is_object and expect in ("value_or_end", "value") and char != "]":
+            self._path = (*container.path, container.count)
+            container.count += 1
+            self._expecting_value = True
+        elif expect == "comma_or_end" and char == ",":
+            container.expect = "key" if container.is_object else "value"
+            self._pos += 1
+        elif char == ("}" if container.is_object else "]") and expect in (
+                "comma_or_end", "key_or_end", "value_or_end"):
+            self._stack.pop()
+            self._pos += 1
+            self._path = container.path
+            self._end_value(self._pos)
+            if self._stack:
+                self._stack[-1].expect = "comma_or_end"
+        else:
+            self.result.status, self.result.end = "invalid", pos
+            return False
+        return True
+
+
 def scan(text: str, start: int = 0, depth: int = 2) -> Scan:
     """Scans the one JSON value that begins at `start` (after optional whitespace).
 
     Args:
         text: The text so far.
         start: Where the value may begin.
-        depth: Record the spans of values nested up to this deep (1: the top-level object's
-            members or array's elements; 2: theirs too).
+        depth: Record the spans of values nested up to this deep (see `Scanner`).
 
     Returns:
         The status, the end, and the spans (see `Scan`). Text after a complete value is not
         looked at.
     """
-    pos = _WHITESPACE.match(text, start).end()
-    if pos == len(text):
-        return Scan("partial", pos)
-    result = Scan("partial", pos, kind=text[pos])
-    stack: list[_Container] = []
-    path: Path = ()  # the path of the value about to begin
+    return Scanner(start, depth).scan(text)
 
-    def begin_value(at: int) -> None:
-        if 0 < len(path) <= depth:
-            result.spans[path] = Span(at)
 
-    def end_value(at: int) -> None:
-        if 0 < len(path) <= depth:
-            result.spans[path].end = at
+class Scans:
+    """The scanners of one growing text, by where each value starts: `scan` resumes the one
+    that began there (the text must only grow by appending, as a stream's does)."""
 
-    expecting_value = True
-    while True:
-        pos = _WHITESPACE.match(text, pos).end()
-        if pos == len(text):
-            result.end = pos
-            return result  # partial: the text ends before the value does
-        char = text[pos]
-        if expecting_value:
-            begin_value(pos)
-            if char in "{[":
-                stack.append(_Container(path, char == "{",
-                                        "key_or_end" if char == "{" else "value_or_end"))
-                pos += 1
-                expecting_value = False
-                continue
-            status, end = _scalar_end(text, pos)
-            if status != "complete":
-                result.status, result.end = status, end
-                return result
-            end_value(end)
-            pos = end
-            expecting_value = False
-            if not stack:
-                result.status, result.end = "complete", pos
-                return result
-            stack[-1].expect = "comma_or_end"
-            continue
-        container = stack[-1]
-        expect = container.expect
-        if container.is_object and expect in ("key_or_end", "key") and char == '"':
-            status, end = _scalar_end(text, pos)
-            if status != "complete":
-                result.status, result.end = status, end
-                return result
-            container.key = json.loads(text[pos:end])
-            container.expect = "colon"
-            pos = end
-        elif container.is_object and expect == "colon" and char == ":":
-            path = (*container.path, container.key)
-            expecting_value = True
-            pos += 1
-        elif not container.is_object and expect in ("value_or_end", "value") and char not in "]":
-            path = (*container.path, container.count)
-            container.count += 1
-            expecting_value = True
-        elif expect == "comma_or_end" and char == ",":
-            container.expect = "key" if container.is_object else "value"
-            pos += 1
-        elif char == ("}" if container.is_object else "]") and expect in (
-                "comma_or_end", "key_or_end", "value_or_end"):
-            stack.pop()
-            pos += 1
-            path = container.path
-            end_value(pos)
-            if not stack:
-                result.status, result.end = "complete", pos
-                return result
-            stack[-1].expect = "comma_or_end"
-        else:
-            result.status, result.end = "invalid", pos
-            return result
+    def __init__(self) -> None:
+        self._scanners: dict[tuple[int, int], Scanner] = {}
+
+    def scan(self, text: str, start: int = 0, depth: int = 2) -> Scan:
+        """`scan(text, start, depth)`, resumed from the previous call's state."""
+        scanner = self._scanners.get((start, depth))
+        if scanner is None:
+            scanner = self._scanners[start, depth] = Scanner(start, depth)
+        return scanner.scan(text)
 
 
 def loads_complete(raw: str) -> tuple[bool, Any]:

@@ -16,10 +16,11 @@ The formats, named as vLLM names their parsers:
                  8x22B); text before the marker is content; ids are 9 letters and digits, which
                  Mistral's templates insist on
 
-Each parser is one pure function `parse(text, final)` from the text so far to the content and
+Each parser is one function `parse(text, final, scans)` from the text so far to the content and
 the calls (a call's name once complete, and the raw text of its arguments so far), built on
-`serve.partial_json`. `extract` is `parse(text, final=True)`; `ToolCallStream` re-parses the
-text on every delta and sends what grew: a call's first delta carries its index, id, type and
+`serve.partial_json` (`scans` resumes the JSON scanners of a growing text, so a stream reads
+each character about once). `extract` is `parse(text, final=True)`; `ToolCallStream` re-parses
+the text on every delta and sends what grew: a call's first delta carries its index, id, type and
 name, the following ones fragments of its arguments, and content outside the calls streams as
 content. A call's arguments are the model's own JSON text (checked to parse, not re-encoded),
 so the fragments concatenate to exactly what `extract` returns.
@@ -50,7 +51,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from serve.partial_json import Path, Scan, loads_complete, scan
+from serve.partial_json import Path, Scan, Scans, loads_complete
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -159,12 +160,13 @@ class ToolParser(abc.ABC):
         return openai_tool_call_id()
 
     @abc.abstractmethod
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, scans: Scans) -> Parsed:
         """Splits the text into content and calls.
 
         Args:
             text: The output so far.
             final: The output ended: no call may be left open, and no marker held back.
+            scans: The JSON scanners of this text (resumed as a stream's text grows).
 
         Returns:
             Content and calls; while not final, the last call may be incomplete (a name of
@@ -174,7 +176,7 @@ class ToolParser(abc.ABC):
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The finished output's content (None when it is only whitespace beside calls)
         and calls."""
-        parsed = self.parse(text, final=True)
+        parsed = self.parse(text, True, Scans())
         calls = [ToolCall(self.new_id(), call.name, call.arguments)
                  for call in parsed.calls if call.name is not None]
         if calls and not parsed.content.strip():
@@ -205,6 +207,7 @@ class ToolCallStream:
         self.text = ""
         self._sent_content = ""
         self._sent_calls: list[_SentCall] = []
+        self._scans = Scans()
 
     @property
     def called(self) -> bool:
@@ -222,7 +225,7 @@ class ToolCallStream:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> dict[str, Any]:
-        parsed = self.parser.parse(self.text, final)
+        parsed = self.parser.parse(self.text, final, self._scans)
         delta: dict[str, Any] = {}
         has_calls = bool(parsed.calls or self._sent_calls)
         content = parsed.content
@@ -265,7 +268,7 @@ class HermesToolParser(ToolParser):
     keeps_special_tokens = True  # Hermes 2 Pro's tags are special tokens (Qwen's are not)
     start_tag, end_tag = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, scans: Scans) -> Parsed:
         content: list[str] = []
         calls: list[ParsedCall] = []
         pos = 0
@@ -280,7 +283,7 @@ class HermesToolParser(ToolParser):
             content.append(between)
             if start < 0:
                 break
-            scanned = scan(text, start + len(self.start_tag), depth=1)
+            scanned = scans.scan(text, start + len(self.start_tag), depth=1)
             if scanned.status == "complete":
                 call = call_of(scanned, text, (), complete=True)
                 after = _skip_whitespace(text, scanned.end)
@@ -309,7 +312,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     python_tag = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, scans: Scans) -> Parsed:
         if text.startswith(self.python_tag):
             pos = len(self.python_tag)
         elif text.startswith("{"):
@@ -321,7 +324,7 @@ class Llama3JsonToolParser(ToolParser):
         calls: list[ParsedCall] = []
         while True:
             call_start = _skip_whitespace(text, pos)
-            scanned = scan(text, pos, depth=1)
+            scanned = scans.scan(text, pos, depth=1)
             if scanned.status == "complete" and scanned.kind == "{":
                 call = call_of(scanned, text, (), complete=True)
                 if call is not None:
@@ -341,8 +344,8 @@ class Llama3JsonToolParser(ToolParser):
             return Parsed(text[call_start:] if calls else text, calls)
 
 
-def _array_calls(text: str, start: int, final: bool, argument_keys: tuple[str, ...]
-                 ) -> tuple[list[ParsedCall], int] | None:
+def _array_calls(text: str, start: int, final: bool, argument_keys: tuple[str, ...],
+                 scans: Scans) -> tuple[list[ParsedCall], int] | None:
     """The calls in a JSON array of call objects (or one call object) at `start`.
 
     Returns:
@@ -351,7 +354,7 @@ def _array_calls(text: str, start: int, final: bool, argument_keys: tuple[str, .
         before it; the end of the text while the array is open. None when no call can come
         of it: the text is content.
     """
-    scanned = scan(text, start, depth=2)
+    scanned = scans.scan(text, start, depth=2)
     if scanned.kind == "{":  # one call without the brackets
         complete = scanned.status == "complete"
         call = call_of(scanned, text, (), complete, argument_keys)
@@ -385,11 +388,11 @@ class MistralToolParser(ToolParser):
     marker = "[TOOL_CALLS]"
     new_id = staticmethod(mistral_tool_call_id)
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, scans: Scans) -> Parsed:
         start = text.find(self.marker)
         if start < 0:
             return Parsed(text if final else _hold_back(text, self.marker), [])
-        found = _array_calls(text, start + len(self.marker), final, ARGUMENT_KEYS)
+        found = _array_calls(text, start + len(self.marker), final, ARGUMENT_KEYS, scans)
         if found is None:
             return Parsed(text, [])
         calls, rest = found
@@ -411,7 +414,7 @@ class NamedCallFormat(ToolParser):
         self.function = function
         self.new_id = new_id  # type: ignore[method-assign]
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, scans: Scans) -> Parsed:
         # Whatever the output holds is the arguments (even cut short by max_tokens, as vLLM).
         return Parsed("", [ParsedCall(self.function, text.lstrip())])
 
@@ -428,8 +431,8 @@ class RequiredCallsFormat(ToolParser):
     def __init__(self, new_id: Callable[[], str] = openai_tool_call_id) -> None:
         self.new_id = new_id  # type: ignore[method-assign]
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        found = _array_calls(text, 0, final, ("parameters",))
+    def parse(self, text: str, final: bool, scans: Scans) -> Parsed:
+        found = _array_calls(text, 0, final, ("parameters",), scans)
         if found is None:
             return Parsed(text, [])
         calls, rest = found

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from serve.partial_json import Span, scan
+from serve.partial_json import Scanner, Span, scan
 
 DOCUMENTS = [
     '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2.5e-3, -0.0]}}',
@@ -58,6 +58,18 @@ def test_open_spans_run_to_the_end_and_grow_into_the_closed_value():
 ])
 def test_verdicts(text, status):
     assert scan(text).status == status
+
+
+@pytest.mark.parametrize("document", [*DOCUMENTS, '{"a": "ok", "b": [1, 2] x', '["\\q"]'])
+def test_a_resumed_scan_is_a_fresh_scan(document):
+    # One scanner fed the text as it grows (a stream) sees what a fresh scan of each prefix
+    # sees, including when the text ends inside a string, an escape or a number.
+    for step in (1, 3):
+        scanner = Scanner(0, depth=2)
+        for end in [*range(0, len(document), step), len(document)]:
+            resumed, fresh = scanner.scan(document[:end]), scan(document[:end])
+            assert (resumed.status, resumed.end, resumed.kind, resumed.spans) == (
+                fresh.status, fresh.end, fresh.kind, fresh.spans), document[:end]
 
 
 def _completable(text: str, depth: int = 0) -> bool:
