@@ -2,8 +2,9 @@
 
     jaxinfer serve --model builtin:demo [--host 127.0.0.1] [--grpc-port 50051]
                    [--http-port 8000] [--api-key-file PATH] [--allowed-hosts H,...]
-                   [--allowed-origins O,...] [--no-vllm-metrics] [engine options]
-                   [--config FILE]
+                   [--allowed-origins O,...] [--no-vllm-metrics]
+                   [--enable-auto-tool-choice --tool-call-parser hermes|llama3_json|mistral]
+                   [--exclude-tools-when-tool-choice-none] [engine options] [--config FILE]
     jaxinfer bench serve --backend openai|grpc --port 8000 [--request-rate 4]
                          [--num-prompts 64] [--max-concurrency 16]
 
@@ -38,6 +39,13 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, SERVING_DEFAULTS)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter and compute dtype (default: the checkpoint's)")
+
+
+def _tool_parser_names() -> list[str]:
+    # The parsers module imports only the standard library, so --help stays instant.
+    from serve.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
 
 
 def register(subparsers: argparse._SubParsersAction,
@@ -92,6 +100,16 @@ def register(subparsers: argparse._SubParsersAction,
                        help="/metrics also exports vLLM's metric names (vllm:*, with vLLM's "
                             "labels) beside jaxinfer:*, so Grafana dashboards built for vLLM "
                             "work unchanged; --no-vllm-metrics exports jaxinfer:* only")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto" in /v1/chat/completions: the model '
+                            "calls tools when it decides to, found in its output by "
+                            "--tool-call-parser (required with it)")
+    serve.add_argument("--tool-call-parser", default=None, choices=_tool_parser_names(),
+                       help="the model's tool-call format (vLLM's names): hermes (Hermes, "
+                            "Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), mistral")
+    serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='leave tools out of the prompt when tool_choice is "none" (by '
+                            "default the template renders them, as vLLM does)")
     _add_engine_options(serve)
     distributed.add_arguments(serve)
     add_config_argument(serve)
@@ -202,7 +220,10 @@ def service_config_from_args(args: argparse.Namespace,
         allowed_origins=split_list(args.allowed_origins) or (),
         max_request_seconds=args.max_request_seconds or None,
         write_timeout_seconds=args.write_timeout_seconds or None,
-        vllm_metrics=args.vllm_metrics)
+        vllm_metrics=args.vllm_metrics,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
 
 
 def _read_template(value: str | None) -> str | None:

@@ -13,10 +13,13 @@ has waited `write_timeout_seconds` (`InferenceService.write`). Until then nothin
 the server: each prompt's engine stream holds one unread output, merged (see
 `jaxinfer.engine.async_engine`), and hands the next only once the handler took the previous.
 
-Not served: `echo` and `suffix` (completions) and tools (chat) are refused with a 400 naming
-the field rather than silently ignored; `user` is accepted and ignored. Structured output
-(`response_format`, `structured_outputs`, `guided_*`) is served in both endpoints; a schema,
-regex or grammar that does not compile is a 400 naming the field it came in.
+Not served: `echo` and `suffix` (completions) and the legacy `functions` (chat) are refused
+with a 400 naming the field rather than silently ignored; `user` is accepted and ignored.
+Structured output (`response_format`, `structured_outputs`, `guided_*`) is served in both
+endpoints; a schema, regex or grammar that does not compile is a 400 naming the field it came
+in. Tool calling (`tools`, `tool_choice`, tool messages in the history) is served in chat as
+vLLM serves it (`serve.tool_calling`): calls come back as `message.tool_calls` (streamed as
+tool-call deltas) with finish_reason "tool_calls".
 
 Before any handler runs (`serve.access`): a `Host` outside the allowed hosts (by default only
 loopback names on a loopback-bound server: DNS rebinding) and an `Origin` outside
@@ -52,6 +55,7 @@ from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.llm import render_chat_prompt
 from serve import openai_protocol as protocol
+from serve import tool_calling
 from serve.access import HttpAccess
 from serve.metrics import CONTENT_TYPE
 from serve.service import (
@@ -63,6 +67,7 @@ from serve.service import (
     SlowClientError,
     UnauthenticatedError,
 )
+from serve.tool_parsers import ToolCallStream, ToolParser
 
 logger = logging.getLogger("jaxinfer.serve.http")
 
@@ -245,8 +250,11 @@ class _Endpoint:
     """One completions-style request in flight: builds choices from the engine's deltas."""
 
     def __init__(self, service: InferenceService, parsed: protocol.ParsedRequest,
-                 prompts: list[Any], params: list[SamplingParams]) -> None:
+                 prompts: list[Any], params: list[SamplingParams],
+                 tool_format: ToolParser | None = None) -> None:
         self.service, self.parsed, self.prompts, self.params = service, parsed, prompts, params
+        self.tool_format = tool_format  # chat with tools: what turns the output into calls
+        self.tool_streams: dict[int, ToolCallStream] = {}  # streamed: per choice index
         self.n = params[0].n
         self.kind = "chat.completion" if parsed.chat else "text_completion"
         self.prefix = "chatcmpl" if parsed.chat else "cmpl"
@@ -287,9 +295,10 @@ class _Endpoint:
                 index = self.choice_index(prompt_index, sample.index)
                 logprobs = self.logprobs(list(sample.token_ids), sample.logprobs, 0)
                 if self.parsed.chat:
+                    message, reason = tool_calling.chat_message(
+                        self.tool_format, sample.text, sample.finish_reason)
                     choices.append({"index": index, "logprobs": logprobs,
-                                    "finish_reason": sample.finish_reason,
-                                    "message": {"role": "assistant", "content": sample.text}})
+                                    "finish_reason": reason, "message": message})
                 else:
                     choices.append({"index": index, "text": sample.text, "logprobs": logprobs,
                                     "finish_reason": sample.finish_reason})
@@ -305,15 +314,29 @@ class _Endpoint:
             self.sent_text[index] = offset + len(sample.text)
             logprobs = self.logprobs(list(sample.token_ids), sample.logprobs, offset)
             if self.parsed.chat:
-                delta: dict[str, Any] = {"content": sample.text}
+                delta, reason = self.chat_delta(index, sample.text, sample.finish_reason)
+                if not delta and reason is None and logprobs is None and not first:
+                    continue  # the tool parser holds the text back (a marker may be starting)
                 if first:
-                    delta["role"] = "assistant"
+                    delta = {"role": "assistant", "content": "", **delta}
                 choices.append({"index": index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": sample.finish_reason})
+                                "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": sample.text, "logprobs": logprobs,
                                 "finish_reason": sample.finish_reason})
         return choices
+
+    def chat_delta(self, index: int, text: str, reason: str | None
+                   ) -> tuple[dict[str, Any], str | None]:
+        """One streamed chat choice's delta and finish reason: the text as content, or as
+        the tool parser splits it into content and tool-call deltas."""
+        if self.tool_format is None:
+            return {"content": text}, reason
+        stream = self.tool_streams.get(index)
+        if stream is None:
+            stream = self.tool_streams[index] = self.tool_format.stream()
+        delta = stream.finish(text) if reason is not None else stream.feed(text)
+        return delta, tool_calling.finish_reason(reason, stream.called)
 
     async def respond(self, request: web.Request) -> web.StreamResponse:
         """Runs the request and answers with one JSON response or an SSE stream."""
@@ -424,14 +447,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if wrong_model is not None:
         return wrong_model
     messages, parsed = protocol.parse_chat(body)
+    chat = tool_calling.prepare_chat(body, messages, parsed, service.config)
     if service.tokenizer is None:
         raise InvalidRequestError("messages", "this model has no tokenizer to render chats")
-    # The rendered chat holds every message's text: one too long to fit is refused before
-    # the template and the tokenizer run.
-    service.check_prompt_chars("".join(str(message.get("content") or "")
-                                       for message in messages), "messages")
-    render = functools.partial(render_chat_prompt, service.tokenizer, messages,
-                               chat_template=service.config.chat_template)
+    # The rendered chat holds every message's text (and the tools): one too long to fit is
+    # refused before the template and the tokenizer run.
+    service.check_prompt_chars(chat.prompt_text(), "messages")
+    render = functools.partial(render_chat_prompt, service.tokenizer, chat.messages,
+                               chat_template=service.config.chat_template,
+                               chat_template_kwargs=chat.template_kwargs)
     try:
         # A long chat is rendered and tokenized in a worker thread (see encode_prompt_async).
         prompt = (await asyncio.to_thread(render) if request.content_length is not None
@@ -448,7 +472,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise InvalidRequestError("max_completion_tokens",
                                       f"max_completion_tokens: {error.message}") from None
         raise
-    return await _Endpoint(service, parsed, [prompt], params).respond(request)
+    return await _Endpoint(service, parsed, [prompt], params,
+                           chat.output_format).respond(request)
 
 
 async def models(request: web.Request) -> web.Response:

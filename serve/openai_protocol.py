@@ -9,8 +9,8 @@ spellings clients send (`structured_outputs_of`): OpenAI's `response_format`, vL
 `guided_choice` / `guided_grammar` fields. A field of the wrong type or out of
 range raises `InvalidRequestError` naming it (the types and values of sampling fields are
 checked by `InferenceService.sampling_params`, which every body's fields go through); fields
-OpenAI has and we do not serve (`echo`, `best_of` > n, `suffix`, tools) are refused rather
-than silently ignored.
+OpenAI has and we do not serve (`echo`, `best_of` > n, `suffix`, the legacy `functions`) are
+refused rather than silently ignored; chat's `tools` are checked by `serve.tool_calling`.
 
 `decode_json_body` turns a request body into a dict or refuses it with a 400 naming the
 problem: not UTF-8, not JSON, not an object, nested deeper than `MAX_JSON_DEPTH`, an integer
@@ -321,7 +321,8 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], ParsedReq
     Raises:
         InvalidRequestError: A missing or malformed field (named).
     """
-    _refuse_unsupported(body, ("tools", "functions", "audio"))
+    # tools and tool_choice are serve.tool_calling's; the legacy functions are not served.
+    _refuse_unsupported(body, ("functions", "function_call", "audio"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "messages must be a non-empty list")

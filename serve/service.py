@@ -52,6 +52,7 @@ from jaxinfer.engine.input_processor import InputProcessor
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from serve.metrics import ServingMetrics
+from serve.tool_parsers import get_tool_parser
 
 # A request field is wrong: the engine's own error, raised by the serve-side checks too, so a
 # front end catches one type and maps its `field` to a wire name.
@@ -144,6 +145,12 @@ class ServiceConfig:
             aborted; None: no limit.
         vllm_metrics: `/metrics` also exports vLLM's names (`vllm:*`, vLLM's labels) beside
             ours, so dashboards built for vLLM work unchanged (`serve.metrics`).
+        tool_call_parser: The model's tool-call format (`serve.tool_parsers`: "hermes",
+            "llama3_json", "mistral"), for `tool_choice: "auto"`; None: no parser.
+        enable_auto_tool_choice: Serve `tool_choice: "auto"` (needs `tool_call_parser`);
+            otherwise it is a 400, as in vLLM. "required" and named choices need neither.
+        exclude_tools_when_tool_choice_none: Leave the tools out of the prompt when
+            `tool_choice` is "none" (by default they are rendered, as in vLLM).
     """
 
     model_name: str
@@ -155,8 +162,17 @@ class ServiceConfig:
     max_request_seconds: float | None = 600.0
     write_timeout_seconds: float | None = 30.0
     vllm_metrics: bool = True
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # ValueError naming the known parsers
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs a "
+                             "tool_call_parser (--tool-call-parser): the format of the "
+                             "model's tool calls")
         for name in ("max_request_seconds", "write_timeout_seconds"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -129,6 +129,21 @@ def test_the_timeout_flags_reach_the_service_config():
         service_config_from_args(_serve_args("--max-request-seconds", "-1"), environ={})
 
 
+def test_the_tool_flags_reach_the_service_config():
+    default = service_config_from_args(_serve_args(), environ={})
+    assert (default.tool_call_parser, default.enable_auto_tool_choice,
+            default.exclude_tools_when_tool_choice_none) == (None, False, False)
+    given = service_config_from_args(_serve_args(
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--exclude-tools-when-tool-choice-none"), environ={})
+    assert (given.tool_call_parser, given.enable_auto_tool_choice,
+            given.exclude_tools_when_tool_choice_none) == ("hermes", True, True)
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        service_config_from_args(_serve_args("--enable-auto-tool-choice"), environ={})
+    with pytest.raises(SystemExit):  # not one of the parsers: argparse refuses it
+        _serve_args("--tool-call-parser", "qwen")
+
+
 # ---------------------------------------------------------------------- every option, --config
 
 
