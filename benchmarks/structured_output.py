@@ -1,18 +1,22 @@
 """What structured output costs: 32 concurrent requests, constrained against unconstrained.
 
-    python benchmarks/structured_output.py [--rounds 5] [--out FILE]
+    python benchmarks/structured_output.py [--rounds 5] [--model builtin:demo] [--out FILE]
 
-One engine (`builtin:demo`, 32 sequences, warmed up), the same 32 prompts, greedy, 64 tokens each
-with EOS ignored. Each round runs, back to back:
-- **plain**: no constraint;
+One engine (32 sequences, warmed up), the same 32 prompts, greedy, EOS ignored where the mode
+allows. Each round runs, back to back:
+- **plain**: no constraint, 64 tokens each;
 - **regex**: `[A-Za-z ,.]{1,2000}`, which the grammar cannot finish within 64 tokens, so every
   request emits exactly as many tokens as plain and the two differ only in the masking work;
-- **json schema**: an object with an integer, an enum and a string, compact (the requests
-  finish when the object closes, so its tok/s is over fewer tokens).
+- **json schema**: an object with an integer, an enum and a string, compact; each request
+  stops when its object closes;
+- **plain, json lengths**: no constraint, each request cut to the length its JSON answer had,
+  so that the JSON mode is compared with the same tokens (the same prefill share).
 
 It reports output tokens per second per mode (best of the rounds), the median over rounds of
-each mode's ratio to plain in the same round, and the programs compiled during the runs (0:
-the bitmask is a fixed-shape input of every step).
+each constrained mode's ratio to its unconstrained peer in the same round (regex to plain,
+JSON to plain at JSON lengths), and the programs compiled during the runs (0: the bitmask is
+a fixed-shape input of every step). `--model` takes any model `LLM` loads, a GGUF file
+included (e.g. the real SmolLM2-135M-Instruct that `make smollm2-gguf` fetches).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -44,6 +49,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", default="builtin:demo")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/structured_output.md"))
     args = parser.parse_args()
 
@@ -52,7 +58,7 @@ def main() -> int:
     from jaxinfer.engine.sampling_params import SamplingParams, StructuredOutputsParams
     from jaxinfer.llm import LLM
 
-    llm = LLM("builtin:demo", max_num_seqs=args.requests, max_num_batched_tokens=512,
+    llm = LLM(args.model, max_num_seqs=args.requests, max_num_batched_tokens=512,
               max_model_len=256, warm_up=True)
     prompts = [PROMPTS[index % len(PROMPTS)] for index in range(args.requests)]
     modes = {
@@ -61,40 +67,55 @@ def main() -> int:
         "json schema": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     }
 
-    def run(constraint: StructuredOutputsParams | None) -> tuple[float, list[str]]:
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                ignore_eos=constraint is None or constraint.regex is not None,
-                                structured_outputs=constraint)
+    def run(constraint: StructuredOutputsParams | None,
+            lengths: list[int] | None = None) -> tuple[float, list[str], list[int]]:
+        params = [SamplingParams(
+            temperature=0.0, max_tokens=length, structured_outputs=constraint,
+            ignore_eos=constraint is None or constraint.regex is not None)
+            for length in lengths or [args.max_tokens] * len(prompts)]
         started = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - started
-        tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
-        return tokens / seconds, [output.outputs[0].text for output in outputs]
+        counts = [len(output.outputs[0].token_ids) for output in outputs]
+        return sum(counts) / seconds, [output.outputs[0].text for output in outputs], counts
 
-    for constraint in modes.values():  # grammars compiled, caches warm
+    names = ("plain", "regex", "json schema", "plain, json lengths")
+    # Grammars compiled, caches warm; the JSON answers' lengths (greedy: the same each round).
+    for constraint in modes.values():
         run(constraint)
+    json_lengths = run(modes["json schema"])[2]
+    run(None, json_lengths)
     compiled_before = llm.engine.compilations
-    rates: dict[str, list[float]] = {name: [] for name in modes}
+    rates: dict[str, list[float]] = {name: [] for name in names}
     texts: dict[str, list[str]] = {}
     for _ in range(args.rounds):
-        for name, constraint in modes.items():
-            rate, texts[name] = run(constraint)
+        for name in names:
+            if name == "plain, json lengths":
+                rate, texts[name], _ = run(None, json_lengths)
+            else:
+                rate, texts[name], _ = run(modes[name])
             rates[name].append(rate)
     compiled = llm.engine.compilations - compiled_before
     valid = sum(1 for text in texts["json schema"] if _valid(text, jsonschema))
-    ratios = {name: statistics.median(rates[name][i] / rates["plain"][i]
-                                      for i in range(args.rounds)) for name in modes}
+    peers = {"plain": "plain", "regex": "plain", "json schema": "plain, json lengths",
+             "plain, json lengths": "plain, json lengths"}
+    ratios = {name: statistics.median(rates[name][i] / rates[peers[name]][i]
+                                      for i in range(args.rounds)) for name in names}
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()
-    lines = [f"## Structured output at {args.requests} concurrent requests "
+    model = Path(args.model).name if args.model.endswith(".gguf") else args.model
+    lines = [f"## Structured output at {args.requests} concurrent requests, {model} "
              f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)", "",
              f"Command: `python benchmarks/structured_output.py --rounds {args.rounds} "
-             f"--requests {args.requests} --max-tokens {args.max_tokens}`  ",
-             f"Machine: {platform.platform()}; git {git}. Model `builtin:demo`, greedy.", "",
-             "| mode | output tok/s (best of rounds) | median ratio to plain, same round |",
+             f"--requests {args.requests} --max-tokens {args.max_tokens} --model "
+             f"{args.model if model == args.model else 'PATH/' + model}`  ",
+             f"Machine: {platform.platform()}, {os.cpu_count()} CPUs; git {git}. "
+             f"Greedy.", "",
+             "| mode | output tok/s (best of rounds) | median ratio to its peer, same round |",
              "|---|---:|---:|"]
-    for name in modes:
-        lines.append(f"| {name} | {max(rates[name]):.0f} | {ratios[name]:.3f} |")
+    for name in names:
+        peer = "" if peers[name] == name else f" (to {peers[name]})"
+        lines.append(f"| {name} | {max(rates[name]):.0f} | {ratios[name]:.3f}{peer} |")
     lines += ["", f"JSON outputs that parse and validate against the schema: {valid} / "
               f"{len(texts['json schema'])}. Programs compiled during the timed runs: "
               f"{compiled}.", ""]
