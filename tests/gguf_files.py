@@ -11,6 +11,7 @@ The widths are multiples of 256 so that K-quant rows hold whole super-blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -62,7 +63,8 @@ def encode_tensor(rng: np.random.Generator, weight: np.ndarray,
 
 
 def write_tiny_llama(path: str | Path, tensor_type: TensorType, *, tied: bool = False,
-                     seed: int = 0, name: str = "tiny llama") -> Path:
+                     seed: int = 0, name: str = "tiny llama",
+                     metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """Writes a random tiny llama GGUF whose matrices are in `tensor_type`; norms are F32.
 
     Args:
@@ -71,6 +73,7 @@ def write_tiny_llama(path: str | Path, tensor_type: TensorType, *, tied: bool = 
         tied: Leave out `output.weight` (the LM head is the embedding table).
         seed: Seeds the weights.
         name: `general.name`.
+        metadata: Adds more metadata (a tokenizer) to the writer.
 
     Returns:
         The path.
@@ -92,6 +95,8 @@ def write_tiny_llama(path: str | Path, tensor_type: TensorType, *, tied: bool = 
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if metadata is not None:
+        metadata(writer)
 
     def matrix(rows: int, columns: int) -> np.ndarray:
         return rng.normal(0.0, 0.05, (rows, columns)).astype(np.float32)
