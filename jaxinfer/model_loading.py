@@ -1,4 +1,5 @@
-"""Finding and loading a model by name: an HF directory, a jaxinfer orbax directory, a preset.
+"""Finding and loading a model by name: an HF directory, a jaxinfer orbax directory, a GGUF
+file, a preset.
 
 `load_model` is what the CLI (and later the engine and the `LLM` class) call with the user's
 `--model` argument.
@@ -11,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import load_hf_checkpoint, restore_model
+from checkpoints.gguf_io import is_gguf_file, read_gguf_config
 from checkpoints.hf import CONFIG_FILE, read_hf_config
 from checkpoints.orbax_io import CONFIG_FILE as ORBAX_CONFIG_FILE
 from checkpoints.orbax_io import read_config as read_orbax_config
 from jaxinfer.config import PRESETS, ModelConfig, get_preset
 from jaxinfer.models import Transformer, create_model
 from jaxinfer.quant.checkpoint import is_quantized_checkpoint, restore_quantized_model
+from jaxinfer.quant.gguf import load_gguf_model
 
 # Models trained by `train_distill` and shipped inside the package (see its README.md).
 BUILTIN_DIRECTORY = Path(__file__).parent / "builtin_models"
@@ -51,6 +54,8 @@ def load_model_config(model: str | os.PathLike[str], **config_overrides: Any) ->
     if name.startswith("random:"):
         return get_preset(name.removeprefix("random:")).replace(**config_overrides)
     path = resolve_model_path(name)
+    if is_gguf_file(path):
+        return read_gguf_config(path, **config_overrides)
     if (path / CONFIG_FILE).exists():
         return read_hf_config(path, **config_overrides)
     if (path / ORBAX_CONFIG_FILE).exists():  # jaxinfer checkpoints, quantized ones too
@@ -66,11 +71,13 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
         model: A Hugging Face checkpoint directory (config.json + safetensors), a directory
             written by `checkpoints.save_model` or by `jaxinfer.quant.save_quantized_model`
             (a quantized model), `builtin:demo` or
-            `builtin:demo-draft` (the shipped demo models), or `random:PRESET` for a randomly
-            initialized preset.
+            `builtin:demo-draft` (the shipped demo models), a `.gguf` file (Q8_0 / Q4_0 / Q4_1
+            projections stay quantized, see `jaxinfer.quant.gguf`), or `random:PRESET` for a
+            randomly initialized preset.
         mesh: Optional device mesh to place the parameters on.
         layout: Sharding layout for `mesh`.
-        **config_overrides: ModelConfig fields, e.g. `dtype="bfloat16"` (HF directories only).
+        **config_overrides: ModelConfig fields, e.g. `dtype="bfloat16"` (HF directories and
+            GGUF files only).
 
     Raises:
         FileNotFoundError: `model` is neither a model directory nor a known name.
@@ -83,6 +90,8 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
             config = config.replace(**config_overrides)
         return create_model(config, mesh=mesh, layout=layout)
     path = resolve_model_path(name)
+    if is_gguf_file(path):
+        return load_gguf_model(path, mesh=mesh, layout=layout, **config_overrides)
     if (path / CONFIG_FILE).exists():
         return load_hf_checkpoint(path, mesh=mesh, layout=layout, **config_overrides)
     if is_quantized_checkpoint(path):
@@ -95,7 +104,9 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
             raise ValueError(f"{path}: config overrides {sorted(config_overrides)} apply to "
                              f"Hugging Face directories only")
         return restore_model(path, mesh=mesh, layout=layout)
-    state = "is not a model directory" if path.is_dir() else "does not exist"
+    state = ("is not a model directory" if path.is_dir() else
+             "is not a GGUF file" if path.is_file() else "does not exist")
     raise FileNotFoundError(
         f"model {name!r} {state}: expected a directory with {CONFIG_FILE} (Hugging Face) or "
-        f"{ORBAX_CONFIG_FILE} (jaxinfer), or random:PRESET with PRESET in {sorted(PRESETS)}")
+        f"{ORBAX_CONFIG_FILE} (jaxinfer), a .gguf file, or random:PRESET with PRESET in "
+        f"{sorted(PRESETS)}")

@@ -325,16 +325,18 @@ class Tokenizer(abc.ABC):
 
 
 class HuggingFaceTokenizer(Tokenizer):
-    """A tokenizer backed by a Hugging Face `tokenizer.json` file (the `tokenizers` library)."""
+    """A tokenizer backed by the `tokenizers` library: a Hugging Face `tokenizer.json` file, or
+    a pipeline built in memory (a GGUF file's, see `jaxinfer.gguf_tokenizer`)."""
 
     def __init__(
         self,
-        tokenizer_json_path: str | os.PathLike,
+        tokenizer_json_path: str | os.PathLike | tokenizers.Tokenizer,
         settings: TokenizerSettings,
         add_bos_token: bool | None = None,
         add_eos_token: bool | None = None,
     ):
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_json_path))
+        backend = (tokenizer_json_path if isinstance(tokenizer_json_path, tokenizers.Tokenizer)
+                   else tokenizers.Tokenizer.from_file(str(tokenizer_json_path)))
         # transformers never truncates or pads in a plain `encode`; neither do we.
         backend.no_truncation()
         backend.no_padding()
@@ -580,18 +582,47 @@ class SentencePieceTokenizer(Tokenizer):
         return None
 
 
+def _load_gguf_tokenizer(path: Path, add_bos_token: bool | None,
+                         add_eos_token: bool | None) -> HuggingFaceTokenizer:
+    """The tokenizer in a GGUF file's metadata (`jaxinfer.gguf_tokenizer`), flags overridable.
+
+    Raises:
+        FileNotFoundError: The file holds no tokenizer.
+    """
+    # Imported here: reading GGUF brings in the checkpoint code (and jax), which text-only
+    # users of this module need not load.
+    from checkpoints.gguf_io import GGUFFile
+    from jaxinfer.gguf_tokenizer import gguf_tokenizer_backend, gguf_tokenizer_settings
+
+    metadata = GGUFFile(path).metadata
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise FileNotFoundError(f"{path}: this GGUF file holds no tokenizer "
+                                "(no tokenizer.ggml.tokens)")
+    found = gguf_tokenizer_settings(metadata)
+    settings = TokenizerSettings(
+        config={"add_bos_token": found.add_bos_token, "add_eos_token": found.add_eos_token},
+        named_special_tokens={name: AddedToken(content)
+                              for name, content in found.named_special_tokens.items()},
+        chat_templates={} if found.chat_template is None else {"default": found.chat_template})
+    return HuggingFaceTokenizer(
+        gguf_tokenizer_backend(metadata), settings,
+        found.add_bos_token if add_bos_token is None else add_bos_token,
+        found.add_eos_token if add_eos_token is None else add_eos_token)
+
+
 def load_tokenizer(
     directory: str | os.PathLike,
     *,
     add_bos_token: bool | None = None,
     add_eos_token: bool | None = None,
 ) -> Tokenizer:
-    """Loads the tokenizer of a Hugging Face style model or tokenizer directory.
+    """Loads the tokenizer of a Hugging Face style model or tokenizer directory, or of a GGUF file.
 
     Args:
         directory: A directory holding tokenizer.json or tokenizer.model, and optionally
             tokenizer_config.json, special_tokens_map.json, generation_config.json and
-            chat_template.jinja.
+            chat_template.jinja; or a `.gguf` file (its tokenizer metadata, see
+            `jaxinfer.gguf_tokenizer`).
         add_bos_token: Overrides whether `encode` adds BOS. None: tokenizer.json's
             post-processor, or for sentencepiece tokenizer_config.json's flag (default True).
         add_eos_token: Overrides whether `encode` adds EOS, likewise (sentencepiece default
@@ -603,9 +634,12 @@ def load_tokenizer(
         too), otherwise a `SentencePieceTokenizer`.
 
     Raises:
-        FileNotFoundError: When the directory holds neither file.
+        FileNotFoundError: When the directory holds neither file (or the GGUF file no
+            tokenizer).
     """
     path = Path(directory)
+    if path.is_file():
+        return _load_gguf_tokenizer(path, add_bos_token, add_eos_token)
     tokenizer_json = path / TOKENIZER_JSON_FILE
     sentencepiece_model = path / SENTENCEPIECE_MODEL_FILE
     if tokenizer_json.is_file():

@@ -2,7 +2,7 @@
 
 Each case describes one call of a public op by sizes only and compiles it, through
 `pallas_kernels.aot.compile_for`, with the op forced to its Pallas kernel. `MATRIX` is the
-whole table, 66 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
+whole table, 70 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
 `aot.TOPOLOGIES`), and so does `make tpu-check`, in CI.
 
 Ragged paged attention. The dimensions are KV dtype (bf16, int8), batch (decode-only, mixed
@@ -18,15 +18,16 @@ per page). The sizes: 64 sequences of up to 512 tokens, a pool of 16384 tokens; 
 tokens, mixed 256. KV heads 1 and 2 stand for a
 model's few KV heads split over tensor parallelism (Llama-3-8B at TP 8 holds one per chip).
 
-Quantized matmul. Every registered weight format: int8 per channel, W8A8, and int4 symmetric
+Quantized matmul. Every registered weight format: int8 per channel, W8A8, int4 symmetric
 and with zero points at group sizes 16, 32, 64, 96, 128, 256 and I (one group over all 4096
-rows: per-channel int4), at M = 1 (decode) and M = 256, on a [4096, 14336] weight (Llama's
-MLP; 4608 rows for the group of 96, which must divide I). The kernel takes any even group
-that divides I, in blocks holding whole groups in whole 128-lane tiles or lying inside one
-group; the public op refuses, before compiling, the groups that would force blocks of more
-than `quant_matmul.kernel.MAX_INT4_BLOCK_K` rows (a CPU test checks that). The int4 storage
-also holds 3- and 2-bit grids; the kernel takes no bit width (only the stored levels differ),
-so they compile to the same program and are not separate cases.
+rows: per-channel int4), int4 with float32 zero points and int8 with group-wise scales at
+group size 32 (GGUF's Q4_1 and Q8_0), at M = 1 (decode) and M = 256, on a [4096, 14336]
+weight (Llama's MLP; 4608 rows for the group of 96, which must divide I). The kernel takes
+any even group that divides I, in blocks holding whole groups in whole 128-lane tiles or
+lying inside one group; the public op refuses, before compiling, the groups that would force
+blocks of more than `quant_matmul.kernel.MAX_INT4_BLOCK_K` rows (a CPU test checks that).
+The int4 storage also holds 3- and 2-bit grids; the kernel takes no bit width (only the
+stored levels differ), so they compile to the same program and are not separate cases.
 
 MoE grouped matmul. bf16 and int8 expert weights, 8 experts (Mixtral-8x7B's widths: D 4096,
 F 14336), the gate/up shape `[rows, D] x [E, D, F]` and the down shape `[rows, F] x
@@ -163,18 +164,23 @@ class MatmulCase:
     n: int = 14336
     group_size: int | None = None
     symmetric: bool = True
+    float_zeros: bool = False
 
     def arguments(self) -> list[jax.ShapeDtypeStruct]:
         """x, then the `QuantizedWeight`'s values, scales and (asymmetric int4) zeros."""
         import jax.numpy as jnp
 
         x = jax.ShapeDtypeStruct((self.m, self.k), jnp.bfloat16)  # [T, I]
-        if self.weight_format == "int4":
+        if self.group_size is not None:
             groups = self.k // self.group_size
-            arguments = [x, jax.ShapeDtypeStruct((self.k // 2, self.n), jnp.uint8),  # [I / 2, O]
+            packed = self.weight_format == "int4"
+            values = (jax.ShapeDtypeStruct((self.k // 2, self.n), jnp.uint8) if packed
+                      else jax.ShapeDtypeStruct((self.k, self.n), jnp.int8))  # [I / 2 or I, O]
+            arguments = [x, values,
                          jax.ShapeDtypeStruct((groups, self.n), jnp.float32)]  # [C, O]
             if not self.symmetric:
-                arguments.append(jax.ShapeDtypeStruct((groups, self.n), jnp.int8))  # [C, O]
+                zeros_dtype = jnp.float32 if self.float_zeros else jnp.int8
+                arguments.append(jax.ShapeDtypeStruct((groups, self.n), zeros_dtype))  # [C, O]
             return arguments
         return [x, jax.ShapeDtypeStruct((self.k, self.n), jnp.int8),  # [I, O]
                 jax.ShapeDtypeStruct((self.n,), jnp.float32)]  # [O]
@@ -192,25 +198,32 @@ def _matmul(x, values, scales, zeros=None, *, weight_format, group_size):
     return quantized_matmul(x, weight, implementation="pallas")
 
 
-def _matmul_label(weight_format: str, group_size: int | None, symmetric: bool) -> str:
+def _matmul_label(weight_format: str, group_size: int | None, symmetric: bool,
+                  float_zeros: bool = False) -> str:
     if group_size is None:
         return weight_format
-    return f"{weight_format}-g{group_size}-{'sym' if symmetric else 'zp'}"
+    zeros = "fzp" if float_zeros else "zp"
+    return f"{weight_format}-g{group_size}-{'sym' if symmetric else zeros}"
 
 
-# (format, group_size, I, symmetric): every format; int4 at each group size, with and without
-# zero points (the group of all I takes the blocks-inside-a-group path).
-_MATMUL_LAYOUTS: tuple[tuple[str, int | None, int, bool], ...] = (
-    ("int8", None, 4096, True),
-    ("w8a8", None, 4096, True),
-    *(("int4", group_size, 4608 if group_size == 96 else 4096, symmetric)
+# (format, group_size, I, symmetric, float zeros): every format; int4 at each group size, with
+# and without zero points (the group of all I takes the blocks-inside-a-group path); GGUF's
+# Q4_1 (int4, float zero points) and Q8_0 (grouped int8) at their group of 32.
+_MATMUL_LAYOUTS: tuple[tuple[str, int | None, int, bool, bool], ...] = (
+    ("int8", None, 4096, True, False),
+    ("w8a8", None, 4096, True, False),
+    *(("int4", group_size, 4608 if group_size == 96 else 4096, symmetric, False)
       for group_size in (16, 32, 64, 96, 128, 256, 4096) for symmetric in (True, False)),
+    ("int4", 32, 4096, False, True),
+    ("int8_grouped", 32, 4096, True, False),
 )
 
 MATMUL_CASES: tuple[MatmulCase, ...] = tuple(
-    MatmulCase(f"{_matmul_label(weight_format, group_size, symmetric)}-m{m}", weight_format, m,
-               k=k, group_size=group_size, symmetric=symmetric)
-    for weight_format, group_size, k, symmetric in _MATMUL_LAYOUTS for m in (1, 256))
+    MatmulCase(f"{_matmul_label(weight_format, group_size, symmetric, float_zeros)}-m{m}",
+               weight_format, m, k=k, group_size=group_size, symmetric=symmetric,
+               float_zeros=float_zeros)
+    for weight_format, group_size, k, symmetric, float_zeros in _MATMUL_LAYOUTS
+    for m in (1, 256))
 
 
 # ---- MoE grouped matmul ---------------------------------------------------------------------

@@ -13,7 +13,11 @@ Built in:
 
     "int8"  int8 weights, per-output-channel scales, float activations
     "int4"  packed int4 weights, group-wise scales, optional zero points; also holds 3- and
-            2-bit grids in the same nibble storage
+            2-bit grids in the same nibble storage. Zero points are int8 when quantized
+            here; float32 zero points (offsets that are not whole steps, e.g. GGUF's Q4_1
+            `d * q + m`, where z = -8 - m / d) run through the same reference and kernel
+    "int8_grouped"  int8 weights, one scale per group of rows (GGUF's Q8_0: 32 rows),
+            symmetric; the int4 kernel's grouped path without the unpacking
     "w8a8"  int8 weights and per-token int8 activations, int32 accumulation
 
 Unquantized weights are not an entry: they stay float parameters of the model
@@ -50,8 +54,8 @@ class QuantizedWeight:
             `[I // 2, O]` for "int4" (two values per byte); in general
             `[I // format.rows_per_stored_row, O]`.
         scales: float32 `[O]` for per-channel formats, `[C, O]` for grouped.
-        zeros: int8 `[C, O]` zero points of an asymmetric grouped weight, else
-            None.
+        zeros: `[C, O]` zero points of an asymmetric grouped weight (int8, or float32 for
+            "int4" offsets that are not whole steps), else None.
         group_size: Rows per scale group for grouped formats, else None.
         bits: Bit width of the values: the format's default when not given (8 for "int8"
             and "w8a8"; 4, 3 or 2 for "int4", whose narrower grids use fewer of the nibble's
@@ -297,6 +301,39 @@ def _int4_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype, interpret) ->
                               interpret=interpret)
 
 
+# --- int8 group-wise (GGUF's Q8_0) -----------------------------------------------------------
+
+
+def _int8_grouped_quantize(w: jax.Array, bits: int, group_size: int | None,
+                           symmetric: bool) -> QuantizedWeight:
+    del bits, symmetric  # 8-bit, symmetric: checked before
+    values, scales = reference.quantize_int8_grouped(w, group_size)  # [I, O], [C, O]
+    return QuantizedWeight("int8_grouped", values, scales, None, group_size)
+
+
+def _int8_grouped_dequantize(weight: QuantizedWeight) -> jax.Array:
+    return reference.dequantize_grouped(weight.values, weight.scales, None,
+                                        weight.group_size)  # [I, O]
+
+
+def _int8_grouped_from_levels(levels: jax.Array, scales: jax.Array, zeros: jax.Array | None,
+                              group_size: int | None, bits: int) -> QuantizedWeight:
+    del zeros, bits
+    return QuantizedWeight("int8_grouped", levels.astype(jnp.int8), scales, None, group_size)
+
+
+def _int8_grouped_reference(x: jax.Array, weight: QuantizedWeight, out_dtype) -> jax.Array:
+    return reference.int8_grouped_matmul_reference(x, weight.values, weight.scales,
+                                                   weight.group_size, out_dtype=out_dtype)
+
+
+def _int8_grouped_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype,
+                         interpret) -> jax.Array:
+    return kernel.int8_grouped_matmul(x, weight.values, weight.scales,
+                                      group_size=weight.group_size, out_dtype=out_dtype,
+                                      interpret=interpret)
+
+
 register_format(WeightFormat(
     name="int8", bits=(8,), grouped=False, zero_points=False,
     quantize=_quantize_per_channel("int8"), dequantize=_dequantize_per_channel,
@@ -318,3 +355,10 @@ register_format(WeightFormat(
     reference_matmul=_w8a8_reference, kernel_matmul=_w8a8_kernel,
     levels=_int8_levels, grid_parameters=_int8_grid_parameters,
     from_levels=_per_channel_from_levels("w8a8")))
+
+register_format(WeightFormat(
+    name="int8_grouped", bits=(8,), grouped=True, zero_points=False,
+    quantize=_int8_grouped_quantize, dequantize=_int8_grouped_dequantize,
+    reference_matmul=_int8_grouped_reference, kernel_matmul=_int8_grouped_kernel,
+    levels=_int8_levels, grid_parameters=_int8_grid_parameters,
+    from_levels=_int8_grouped_from_levels))

@@ -1,4 +1,4 @@
-"""Pallas TPU kernels for weight-quantized matmuls: int8, grouped int4 and W8A8.
+"""Pallas TPU kernels for weight-quantized matmuls: int8, grouped int4, grouped int8 and W8A8.
 
 Each kernel runs a `(T' // block_m, O // block_n, I // block_k)` grid. The two output axes
 are independent ("parallel", so megacore chips may split them); the I axis is a reduction
@@ -10,8 +10,11 @@ the output block leaves VMEM once.
            constant along I, so it multiplies the accumulator once at the end instead of
            every weight tile.
     int4   the packed weight tile is unpacked and dequantized (group-wise scales and
-           optional zero points) inside the kernel, one block of I at a time; a block holds
-           whole groups, or lies inside one group when groups are larger than a block.
+           optional zero points, int8 or float) inside the kernel, one block of I at a time;
+           a block holds whole groups, or lies inside one group when groups are larger than a
+           block.
+    int8_grouped  the int4 kernel without the unpacking: int8 tiles scaled group by group
+           (GGUF's Q8_0: a scale per 32 rows), sharing its wrapper and block rules.
     w8a8   activations are quantized per token in the wrapper (a token's scale needs its
            whole row, which no single block of I sees); int8 times int8 accumulates exactly
            in int32 and is rescaled on the last step. TPU v4's MXU has no int8 x int8 mode
@@ -154,7 +157,7 @@ def int8_matmul(
     return out[:m]  # [T, O]
 
 
-# --- packed int4 weights with group-wise scales -------------------------------------------
+# --- group-wise scales: packed int4 and grouped int8 weights --------------------------------
 
 
 def _sign_extend_nibble(nibble: jax.Array) -> jax.Array:
@@ -162,7 +165,8 @@ def _sign_extend_nibble(nibble: jax.Array) -> jax.Array:
     return (nibble ^ 8) - 8
 
 
-def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zeros: bool):
+def _grouped_kernel(x_ref, values_ref, scales_ref, *rest, group_size: int, has_zeros: bool,
+                    packed: bool):
     if has_zeros:
         zeros_ref, out_ref, accumulator_ref = rest
     else:
@@ -173,32 +177,39 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zero
     def _zero():
         accumulator_ref[...] = jnp.zeros_like(accumulator_ref)
 
-    half_k, block_n = packed_ref.shape  # block_k // 2, block_n
+    stored_k, block_n = values_ref.shape  # block_k // 2 (packed) or block_k, block_n
     groups = scales_ref.shape[0]  # block_k // group_size (group_size <= block_k here)
-    # Bit operations on int32: narrow integer vector ops lower poorly (or not at all) on
-    # older TPU generations.
-    packed = packed_ref[...].astype(jnp.int32)  # [half_k, block_n]
     scales = scales_ref[...]  # [groups, block_n]
+    # int8 or float32 zero points alike become float32 here.
     zeros = zeros_ref[...].astype(jnp.float32) if has_zeros else None  # [groups, block_n]
 
-    def dequantize(nibbles: jax.Array) -> jax.Array:
-        # Row r of one nibble half is original row 2r (or 2r + 1) of the block, so each
-        # group of `group_size` original rows is `group_size / 2` consecutive rows here.
-        values = _sign_extend_nibble(nibbles).astype(jnp.float32)  # [half_k, block_n]
-        values = values.reshape(groups, group_size // 2, block_n)  # [groups, group_size/2, block_n]
+    def dequantize(values: jax.Array) -> jax.Array:
+        # `values` holds whole groups of consecutive rows: `rows` of them per group.
+        rows = values.shape[0] // groups
+        values = values.astype(jnp.float32).reshape(groups, rows, block_n)  # [C', rows, block_n]
         if has_zeros:
             values = values - zeros[:, None, :]
-        return (values * scales[:, None, :]).reshape(half_k, block_n)  # [half_k, block_n]
+        return (values * scales[:, None, :]).reshape(groups * rows, block_n)
 
-    low = dequantize(packed & 0xF)  # [half_k, block_n] even rows of the block
-    high = dequantize(packed >> 4)  # [half_k, block_n] odd rows of the block
-    # The wrapper reordered each block_k block of x to [even columns, odd columns], so the two
-    # halves of the x tile line up with the two nibbles and no interleave is needed here.
     x = x_ref[...].astype(jnp.float32)  # [block_m, block_k]
-    partial = jnp.dot(x[:, :half_k], low, precision=_HIGHEST,
-                      preferred_element_type=jnp.float32)  # [block_m, block_n]
-    partial += jnp.dot(x[:, half_k:], high, precision=_HIGHEST,
-                       preferred_element_type=jnp.float32)
+    if packed:
+        # Bit operations on int32: narrow integer vector ops lower poorly (or not at all) on
+        # older TPU generations. Row r of one nibble half is original row 2r (or 2r + 1) of
+        # the block, so each group of `group_size` original rows is `group_size / 2`
+        # consecutive rows of a half.
+        nibbles = values_ref[...].astype(jnp.int32)  # [block_k / 2, block_n]
+        low = dequantize(_sign_extend_nibble(nibbles & 0xF))  # [block_k / 2, block_n] even rows
+        high = dequantize(_sign_extend_nibble(nibbles >> 4))  # [block_k / 2, block_n] odd rows
+        # The wrapper reordered each block_k block of x to [even columns, odd columns], so the
+        # two halves of the x tile line up with the two nibbles and no interleave is needed.
+        partial = jnp.dot(x[:, :stored_k], low, precision=_HIGHEST,
+                          preferred_element_type=jnp.float32)  # [block_m, block_n]
+        partial += jnp.dot(x[:, stored_k:], high, precision=_HIGHEST,
+                           preferred_element_type=jnp.float32)
+    else:
+        weight = dequantize(values_ref[...])  # [block_k, block_n]
+        partial = jnp.dot(x, weight, precision=_HIGHEST,
+                          preferred_element_type=jnp.float32)  # [block_m, block_n]
     accumulator_ref[...] += partial
 
     @pl.when(k_step == pl.num_programs(2) - 1)
@@ -206,7 +217,7 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, *rest, group_size: int, has_zero
         out_ref[...] = accumulator_ref[...].astype(out_ref.dtype)
 
 
-# The most rows of I an int4 block may hold when the kernel picks block_k. A block must hold
+# The most rows of I a grouped block may hold when the kernel picks block_k. A block must hold
 # whole groups in whole 128-lane tiles (or lie inside one group, for groups that are multiples
 # of 128), so a group such as 200 forces block_k = lcm(128, 200) = 3200. Compiled for TPU v4
 # at M = 256, a group of 136 (block_k 2176) took 8.8 MiB of VMEM, about half the 16 MiB a
@@ -246,7 +257,9 @@ def int4_matmul(
         x: `[T, I]` float32 or bfloat16 activations.
         packed: `[I // 2, O]` uint8, two int4 values per byte, low nibble = even row.
         scales: `[C, O]` float32.
-        zeros: `[C, O]` int8 zero points, or None for symmetric weights.
+        zeros: `[C, O]` zero points, int8 or float32 (a float zero point holds an offset
+            that is not a whole number of steps, as GGUF's Q4_1 needs), or None for
+            symmetric weights.
         group_size: Rows of I per scale group; block_k must be a multiple or a divisor
             of it.
         block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
@@ -261,54 +274,115 @@ def int4_matmul(
             of block_k / block_n; block_k neither a multiple nor a divisor of group_size; a
             group size that forces blocks over `MAX_INT4_BLOCK_K` rows (block_k unset).
     """
-    half_k, n = packed.shape
-    k = 2 * half_k
-    _check_inner_dimension("int4", x, k, n)
-    if group_size <= 0 or group_size % 2 or k % group_size:
-        raise ValueError(f"int4 matmul: K={k} (packed weight shape {packed.shape}) is not a "
-                         f"multiple of group_size={group_size}, or group_size is odd")
+    return _grouped_matmul(x, packed, scales, zeros, "int4", group_size=group_size,
+                           blocks=(block_m, block_n, block_k), out_dtype=out_dtype,
+                           interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "group_size"))
+def int8_grouped_matmul(
+    x: jax.Array,
+    values: jax.Array,
+    scales: jax.Array,
+    *,
+    group_size: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    out_dtype: jnp.dtype | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """`x @ (values * scales)` with int8 weights and group-wise scales (GGUF's Q8_0).
+
+    The int4 kernel without the unpacking: each int8 tile is scaled group by group in
+    VMEM, then multiplied.
+
+    Args:
+        x: `[T, I]` float32 or bfloat16 activations.
+        values: `[I, O]` int8.
+        scales: `[C, O]` float32, one per `group_size` rows and column.
+        group_size: Rows of I per scale group, as for `int4_matmul`.
+        block_m, block_n, block_k: Block sizes; unset ones come from `tuning.py`.
+        out_dtype: Result dtype; defaults to the dtype of `x`.
+        interpret: `pallas_call`'s interpret argument.
+
+    Returns:
+        `[T, O]`.
+
+    Raises:
+        ValueError: As `int4_matmul`.
+    """
+    return _grouped_matmul(x, values, scales, None, "int8_grouped", group_size=group_size,
+                           blocks=(block_m, block_n, block_k), out_dtype=out_dtype,
+                           interpret=interpret)
+
+
+def _grouped_matmul(
+    x: jax.Array,
+    values: jax.Array,
+    scales: jax.Array,
+    zeros: jax.Array | None,
+    weight_format: str,
+    *,
+    group_size: int,
+    blocks: tuple[int | None, int | None, int | None],
+    out_dtype: jnp.dtype | None,
+    interpret: bool | pltpu.InterpretParams,
+) -> jax.Array:
+    """The shared wrapper of `int4_matmul` (packed nibbles) and `int8_grouped_matmul`."""
+    packed = weight_format == "int4"
+    stored_k, n = values.shape
+    k = 2 * stored_k if packed else stored_k
+    _check_inner_dimension(weight_format, x, k, n)
+    if group_size <= 0 or (packed and group_size % 2) or k % group_size:
+        raise ValueError(f"{weight_format} matmul: K={k} (stored weight shape {values.shape}) "
+                         f"is not a multiple of group_size={group_size}, or group_size is "
+                         f"{'odd' if packed else 'not positive'}")
     expected = (k // group_size, n)
     if scales.shape != expected or (zeros is not None and zeros.shape != expected):
-        raise ValueError(f"int4 matmul: scales {scales.shape} and zeros "
+        raise ValueError(f"{weight_format} matmul: scales {scales.shape} and zeros "
                          f"{None if zeros is None else zeros.shape} must be {expected} for "
                          f"K={k}, N={n}, group_size={group_size}")
     m = x.shape[0]
-    chosen = block_k is None
-    block_m, block_n, block_k = _resolve_blocks("int4", m, k, n, (block_m, block_n, block_k),
-                                                group_size)
+    chosen = blocks[2] is None
+    block_m, block_n, block_k = _resolve_blocks(weight_format, m, k, n, blocks, group_size)
     if chosen and block_k > MAX_INT4_BLOCK_K:
         raise ValueError(
-            f"int4 matmul: group_size={group_size} with K={k} takes blocks of "
+            f"{weight_format} matmul: group_size={group_size} with K={k} takes blocks of "
             f"block_k={block_k} rows of I (whole groups in whole 128-lane tiles), over the "
             f"{MAX_INT4_BLOCK_K} whose dequantized tiles fit TPU VMEM; use a group size that "
             f"is a multiple of 128 or whose least common multiple with 128 is at most "
             f"{MAX_INT4_BLOCK_K} (such as 32, 64, 96, 128, 256)")
     if block_k % group_size and group_size % block_k:
-        raise ValueError(f"int4 matmul: block_k={block_k} is neither a multiple nor a divisor "
-                         f"of group_size={group_size}")
+        raise ValueError(f"{weight_format} matmul: block_k={block_k} is neither a multiple nor "
+                         f"a divisor of group_size={group_size}")
     # A block holds `groups` whole groups, or lies inside one group (blocks_per_group of them
     # share its scales): to the kernel, a group is then the block's rows.
     block_group = min(group_size, block_k)
     groups = block_k // block_group
     blocks_per_group = group_size // block_group
-    x_padded = _split_even_odd_columns(_pad_rows(x, block_m), block_k)  # [T', I]
+    x_padded = _pad_rows(x, block_m)  # [T', I]
+    if packed:
+        x_padded = _split_even_odd_columns(x_padded, block_k)  # [T', I]
     m_padded = x_padded.shape[0]
     # [C / groups, groups, O]: a block's groups become a whole (full-size) second-minor
     # dimension, a legal block shape even when `groups` is 1 or 2, below the sublane tile.
     group_spec = pl.BlockSpec((pl.Squeezed(), groups, block_n),
                               lambda i, j, kk: (kk // blocks_per_group, 0, j))
-    operands = [x_padded, packed,
+    operands = [x_padded, values,
                 scales.astype(jnp.float32).reshape(k // group_size // groups, groups, n)]
+    stored_block_k = block_k // 2 if packed else block_k
     in_specs = [
         pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
-        pl.BlockSpec((block_k // 2, block_n), lambda i, j, kk: (kk, j)),
+        pl.BlockSpec((stored_block_k, block_n), lambda i, j, kk: (kk, j)),
         group_spec,
     ]
     if zeros is not None:
-        operands.append(zeros.astype(jnp.int8).reshape(k // group_size // groups, groups, n))
+        zeros_dtype = jnp.float32 if jnp.issubdtype(zeros.dtype, jnp.floating) else jnp.int8
+        operands.append(zeros.astype(zeros_dtype).reshape(k // group_size // groups, groups, n))
         in_specs.append(group_spec)
-    kernel = functools.partial(_int4_kernel, group_size=block_group,
-                               has_zeros=zeros is not None)
+    kernel = functools.partial(_grouped_kernel, group_size=block_group,
+                               has_zeros=zeros is not None, packed=packed)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype or x.dtype),
@@ -318,7 +392,7 @@ def int4_matmul(
         scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
-        name="int4_matmul",
+        name=f"{weight_format}_matmul",
     )(*operands)  # [T', O]
     return out[:m]  # [T, O]
 

@@ -1,10 +1,13 @@
 """Readable float32 references for weight-quantized matmuls, and the quantizers they share.
 
-Three formats, all with weights laid out `[I, O]` (input features by output features):
+Four formats, all with weights laid out `[I, O]` (input features by output features):
 
     int8   weight-only: int8 values, one float32 scale per output channel (column)
     int4   weight-only: int4 values packed two per byte along I, one float32 scale per
-           group of `group_size` rows per column, optionally an int8 zero point per group
+           group of `group_size` rows per column, optionally a zero point per group (int8,
+           or float32 for offsets that are not whole steps)
+    int8_grouped  weight-only: int8 values, one float32 scale per group of `group_size`
+           rows per column (symmetric)
     w8a8   int8 weights as above and activations quantized per token (row) on the fly;
            the product accumulates in int32 and is rescaled once at the end
 
@@ -177,16 +180,48 @@ def quantize_int4_grouped(
     return packed, scales, zeros
 
 
-def dequantize_int4_grouped(
-    packed: jax.Array, scales: jax.Array, zeros: jax.Array | None, group_size: int
+def dequantize_grouped(
+    values: jax.Array, scales: jax.Array, zeros: jax.Array | None, group_size: int
 ) -> jax.Array:
-    """`[I // 2, O]` packed int4 with `[C, O]` scales/zeros to `[I, O]` f32."""
-    values = unpack_int4(packed).astype(jnp.float32)  # [I, O]
+    """`[I, O]` integer values with `[C, O]` scales (and zero points) to `[I, O]` float32:
+    `(value - zero) * scale` per group of `group_size` rows."""
+    values = values.astype(jnp.float32)  # [I, O]
     k, n = values.shape
     groups = values.reshape(k // group_size, group_size, n)  # [C, group_size, O]
     if zeros is not None:
         groups = groups - zeros.astype(jnp.float32)[:, None]  # [C, group_size, O]
     return (groups * scales[:, None]).reshape(k, n)  # [I, O]
+
+
+def dequantize_int4_grouped(
+    packed: jax.Array, scales: jax.Array, zeros: jax.Array | None, group_size: int
+) -> jax.Array:
+    """`[I // 2, O]` packed int4 with `[C, O]` scales/zeros to `[I, O]` f32."""
+    return dequantize_grouped(unpack_int4(packed), scales, zeros, group_size)  # [I, O]
+
+
+def quantize_int8_grouped(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 quantization with one scale per group of `group_size` rows and column.
+
+    Args:
+        w: `[I, O]` float weights; I a multiple of `group_size`.
+        group_size: Rows sharing one scale.
+
+    Returns:
+        `(values, scales)`: `[I, O]` int8 in [-127, 127] and `[C, O]` float32.
+
+    Raises:
+        ValueError: I is not a multiple of `group_size`.
+    """
+    k, n = w.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"int8_grouped group_size must divide K; got K={k} "
+                         f"(weight shape {w.shape}), group_size={group_size}")
+    groups = w.astype(jnp.float32).reshape(k // group_size, group_size, n)  # [C, group_size, O]
+    scales = _safe_scale(jnp.max(jnp.abs(groups), axis=1) / INT8_MAX)  # [C, O]
+    steps = jnp.round(groups / scales[:, None])  # [C, group_size, O]
+    values = jnp.clip(steps, -INT8_MAX, INT8_MAX)  # [C, group_size, O]
+    return values.astype(jnp.int8).reshape(k, n), scales
 
 
 def quantize_per_token_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -238,7 +273,7 @@ def int4_matmul_reference(
         x: `[T, I]` float activations.
         packed: `[I // 2, O]` uint8, two int4 values per byte (see `pack_int4`).
         scales: `[C, O]` float32.
-        zeros: `[C, O]` int8 zero points, or None for symmetric weights.
+        zeros: `[C, O]` int8 or float32 zero points, or None for symmetric weights.
         group_size: Rows of I per scale group.
         out_dtype: Result dtype; defaults to the dtype of `x`.
 
@@ -246,6 +281,31 @@ def int4_matmul_reference(
         `[T, O]`.
     """
     weight = dequantize_int4_grouped(packed, scales, zeros, group_size)  # [I, O]
+    product = jnp.matmul(x.astype(jnp.float32), weight, precision=_HIGHEST)  # [T, O]
+    return product.astype(out_dtype or x.dtype)
+
+
+def int8_grouped_matmul_reference(
+    x: jax.Array,
+    values: jax.Array,
+    scales: jax.Array,
+    group_size: int,
+    *,
+    out_dtype: jnp.dtype | None = None,
+) -> jax.Array:
+    """`x @ dequantize_grouped(values, scales, None, group_size)` in float32.
+
+    Args:
+        x: `[T, I]` float activations.
+        values: `[I, O]` int8 weights.
+        scales: `[C, O]` float32.
+        group_size: Rows of I per scale group.
+        out_dtype: Result dtype; defaults to the dtype of `x`.
+
+    Returns:
+        `[T, O]`.
+    """
+    weight = dequantize_grouped(values, scales, None, group_size)  # [I, O]
     product = jnp.matmul(x.astype(jnp.float32), weight, precision=_HIGHEST)  # [T, O]
     return product.astype(out_dtype or x.dtype)
 

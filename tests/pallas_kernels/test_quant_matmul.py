@@ -33,6 +33,7 @@ WEIGHT_CASES = [
     ("int4", 128, True),
     ("int4", 128, False),
     ("w8a8", None, True),
+    ("int8_grouped", 32, True),
 ]
 
 
@@ -53,6 +54,9 @@ def _run_kernel(x, weight: QuantizedWeight, **options):
     if weight.format == "int4":
         return kernel.int4_matmul(x, weight.values, weight.scales, weight.zeros,
                                   group_size=weight.group_size, **options)
+    if weight.format == "int8_grouped":
+        return kernel.int8_grouped_matmul(x, weight.values, weight.scales,
+                                          group_size=weight.group_size, **options)
     return kernel.w8a8_matmul(x, weight.values, weight.scales, **options)
 
 
@@ -257,6 +261,29 @@ def test_int4_blocks_inside_a_group_match_the_reference(symmetric):
     actual = kernel.int4_matmul(x, weight.values, weight.scales, weight.zeros, group_size=256,
                                 interpret=INTERPRET, **BLOCKS)
     expected = quantized_matmul(x, weight, implementation="xla")
+    assert _relative_error(actual, expected) < 1e-5
+
+
+def test_int8_grouped_dequantizes_by_hand():
+    values = jnp.array([[1, -2], [3, 4], [-5, 6], [7, -8]], jnp.int8)  # [4, 2]
+    scales = jnp.array([[0.5, 2.0], [0.25, -1.0]], jnp.float32)  # [2, 2] groups of 2 rows
+    weight = QuantizedWeight("int8_grouped", values, scales, None, 2)
+    expected = jnp.array([[0.5, -4.0], [1.5, 8.0], [-1.25, -6.0], [1.75, 8.0]])
+    np.testing.assert_array_equal(dequantize_weight(weight), expected)
+
+
+def test_int4_float_zero_points_match_the_reference():
+    # GGUF's Q4_1 as int4: (value - zero) * scale with a zero point that is no whole step.
+    weight = quantize_weight(_random(32, (K, N)), "int4", group_size=32, symmetric=False)
+    zeros = weight.zeros.astype(jnp.float32) + 0.37 * _random(33, weight.zeros.shape)  # [C, N]
+    weight = QuantizedWeight("int4", weight.values, weight.scales, zeros, 32)
+    values = reference.unpack_int4(weight.values).astype(jnp.float32)  # [K, N]
+    by_hand = (values - jnp.repeat(zeros, 32, axis=0)) * jnp.repeat(weight.scales, 32, axis=0)
+    np.testing.assert_allclose(dequantize_weight(weight), by_hand, rtol=1e-6, atol=1e-6)
+    x = _random(34, (40, K))
+    actual = kernel.int4_matmul(x, weight.values, weight.scales, zeros, group_size=32,
+                                out_dtype=jnp.float32, interpret=INTERPRET, **BLOCKS)
+    expected = quantized_matmul(x, weight, implementation="xla", out_dtype=jnp.float32)
     assert _relative_error(actual, expected) < 1e-5
 
 
