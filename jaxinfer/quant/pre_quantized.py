@@ -368,10 +368,11 @@ def _read_gptq(scheme: PreQuantizedScheme, read: ReadTensor, has: Callable[[str]
         raise ValueError(f"{prefix}: GPTQ packing needs I and O multiples of 8 and I a "
                          f"multiple of group_size {group_size}; got I={k}, O={n}")
     groups = k // group_size
-    qweight = _read_checked(read, f"{prefix}.qweight", (k // 8, n), (np.int32,))
-    qzeros = _read_checked(read, f"{prefix}.qzeros", (groups, n // 8), (np.int32,))
+    qweight = _read_checked(read, f"{prefix}.qweight", (k // 8, n), (np.int32,))  # [I / 8, O]
+    qzeros = _read_checked(read, f"{prefix}.qzeros", (groups, n // 8),
+                           (np.int32,))  # [C, O / 8]
     scales = _read_checked(read, f"{prefix}.scales", (groups, n),
-                           (np.float16, np.float32))
+                           (np.float16, np.float32))  # [C, O]
     levels = _nibbles(qweight, axis=0)  # [I, O] in [0, 15]
     zeros = _nibbles(qzeros, axis=1).astype(np.int16) + scheme.zero_offset  # [C, O]
     trivial = np.arange(k, dtype=np.int32) // group_size  # [I]
@@ -403,9 +404,12 @@ def _read_awq(scheme: PreQuantizedScheme, read: ReadTensor, prefix: str, k: int,
         fields = _nibbles(words, axis=1).reshape(words.shape[0], -1, 8)  # [R, O / 8, 8]
         return fields[:, :, unorder].reshape(words.shape[0], -1)  # [R, O]
 
-    levels = columns(_read_checked(read, f"{prefix}.qweight", (k, n // 8), (np.int32,)))
-    zeros = columns(_read_checked(read, f"{prefix}.qzeros", (groups, n // 8), (np.int32,)))
-    scales = _read_checked(read, f"{prefix}.scales", (groups, n), (np.float16, np.float32))
+    levels = columns(_read_checked(read, f"{prefix}.qweight", (k, n // 8),
+                                   (np.int32,)))  # [I, O] in [0, 15]
+    zeros = columns(_read_checked(read, f"{prefix}.qzeros", (groups, n // 8),
+                                  (np.int32,)))  # [C, O] in [0, 15]
+    scales = _read_checked(read, f"{prefix}.scales", (groups, n),
+                           (np.float16, np.float32))  # [C, O]
     return _int4_weight(scheme, prefix, levels, zeros, scales, None)
 
 
@@ -413,18 +417,21 @@ def _read_compressed_tensors(scheme: PreQuantizedScheme, read: ReadTensor,
                              has: Callable[[str], bool], prefix: str, k: int, n: int
                              ) -> RepackedWeight:
     if scheme.packed:
-        shape = _read_checked(read, f"{prefix}.weight_shape", (2,), (np.int32, np.int64))
+        shape = _read_checked(read, f"{prefix}.weight_shape", (2,),
+                              (np.int32, np.int64))  # [2]: O, I
         if tuple(int(size) for size in shape) != (n, k):
             raise ValueError(f"tensor {prefix}.weight_shape is {shape.tolist()}, the model "
                              f"implies {[n, k]}")
-        words = _read_checked(read, f"{prefix}.weight_packed", (n, -(-k // 4)), (np.int32,))
+        words = _read_checked(read, f"{prefix}.weight_packed", (n, -(-k // 4)),
+                              (np.int32,))  # [O, I / 4]
         shifts = np.arange(0, 32, 8, dtype=np.uint32)  # [4]
         fields = (words.view(np.uint32)[:, :, None] >> shifts) & 0xFF  # [O, I / 4, 4]
         # The format stores level + 128 (unsigned) and pads I to a multiple of 4.
-        weight = (fields.reshape(n, -1)[:, :k].astype(np.int16) - 128).astype(np.int8)
+        weight = (fields.reshape(n, -1)[:, :k].astype(np.int16) - 128).astype(
+            np.int8)  # [O, I]
     else:
         weight = _read_checked(read, f"{prefix}.weight", (n, k), (np.int8,))  # [O, I]
-    scale = read(f"{prefix}.weight_scale")
+    scale = read(f"{prefix}.weight_scale")  # [O, 1] per channel or [1] per tensor
     if scale.size not in (1, n) or scale.squeeze().ndim > 1:
         raise ValueError(f"tensor {prefix}.weight_scale has shape {scale.shape}; per-channel "
                          f"[{n}, 1] or per-tensor [1] expected")

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.generate import generate
@@ -103,9 +104,14 @@ def _ids() -> jax.Array:
     return jnp.asarray(ids)  # [B, T]
 
 
+@nnx.jit
+def _forward(model, ids: jax.Array) -> jax.Array:
+    return model(ids)[0]  # [B, T, V]
+
+
 def _logits(model) -> np.ndarray:
     """Logits at the prompts' real positions, `[tokens, V]`."""
-    logits = np.asarray(model(_ids())[0])  # [B, T, V]
+    logits = np.asarray(_forward(model, _ids()))  # [B, T, V]
     return np.concatenate([logits[row, :len(prompt)] for row, prompt in enumerate(PROMPTS)])
 
 
