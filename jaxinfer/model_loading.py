@@ -20,6 +20,11 @@ from jaxinfer.config import PRESETS, ModelConfig, get_preset
 from jaxinfer.models import Transformer, create_model
 from jaxinfer.quant.checkpoint import is_quantized_checkpoint, restore_quantized_model
 from jaxinfer.quant.gguf import load_gguf_model
+from jaxinfer.quant.pre_quantized_loading import (
+    is_pre_quantized_checkpoint,
+    load_pre_quantized_checkpoint,
+    read_checkpoint_scheme,
+)
 
 # Models trained by `train_distill` and shipped inside the package (see its README.md).
 BUILTIN_DIRECTORY = Path(__file__).parent / "builtin_models"
@@ -57,6 +62,7 @@ def load_model_config(model: str | os.PathLike[str], **config_overrides: Any) ->
     if is_gguf_file(path):
         return read_gguf_config(path, **config_overrides)
     if (path / CONFIG_FILE).exists():
+        read_checkpoint_scheme(path)  # an unsupported quantization config fails here, early
         return read_hf_config(path, **config_overrides)
     if (path / ORBAX_CONFIG_FILE).exists():  # jaxinfer checkpoints, quantized ones too
         return read_orbax_config(path)
@@ -68,7 +74,9 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
     """Loads `model`.
 
     Args:
-        model: A Hugging Face checkpoint directory (config.json + safetensors), a directory
+        model: A Hugging Face checkpoint directory (config.json + safetensors; float, or
+            pre-quantized GPTQ / AWQ / compressed-tensors, see
+            `jaxinfer.quant.pre_quantized`), a directory
             written by `checkpoints.save_model` or by `jaxinfer.quant.save_quantized_model`
             (a quantized model), `builtin:demo` or
             `builtin:demo-draft` (the shipped demo models), a `.gguf` file (Q8_0 / Q4_0 / Q4_1
@@ -92,6 +100,9 @@ def load_model(model: str | os.PathLike[str], *, mesh: Any = None,
     path = resolve_model_path(name)
     if is_gguf_file(path):
         return load_gguf_model(path, mesh=mesh, layout=layout, **config_overrides)
+    if is_pre_quantized_checkpoint(path):  # GPTQ, AWQ, compressed-tensors
+        return load_pre_quantized_checkpoint(path, mesh=mesh, layout=layout,
+                                             **config_overrides)
     if (path / CONFIG_FILE).exists():
         return load_hf_checkpoint(path, mesh=mesh, layout=layout, **config_overrides)
     if is_quantized_checkpoint(path):

@@ -53,6 +53,13 @@ class QuantizedLinear(nnx.Module):
       all-reduce adds the partial sums, as for the float weight. W8A8 then quantizes each
       token per slice (a scale per token and shard), not over the whole row.
 
+    A layer may hold an input permutation (GPTQ checkpoints quantized with act-order, whose
+    groups are scattered over the input rows; `jaxinfer.quant.pre_quantized`): its weight's
+    rows are stored in the permuted order, so each group is contiguous, and the call gathers
+    the activations' features into the same order first, `x[..., perm] @ W[perm] = x @ W`.
+    The permutation is replicated; an input-split layer gathers before its shard_map, so
+    XLA fetches the features each shard needs.
+
     Args:
         weight: The quantized `[I, O]` matrix.
         output_shape: The output axes of the replaced parameter, whose product is O (e.g.
@@ -60,11 +67,14 @@ class QuantizedLinear(nnx.Module):
         logical_axes: The logical axes of I and O (None: never split).
         implementation: `pallas_kernels.dispatch` choice; "auto" follows
             `force_implementation` and `JAXINFER_KERNELS`.
+        input_permutation: `[I]` int32, or None: the weight's row `j` is the original
+            matrix's row `input_permutation[j]` (see above).
     """
 
     def __init__(self, weight: QuantizedWeight, output_shape: Sequence[int], *,
                  logical_axes: tuple[str | None, str | None] = (None, None),
-                 implementation: str = "auto") -> None:
+                 implementation: str = "auto",
+                 input_permutation: jax.Array | None = None) -> None:
         if math.prod(output_shape) != weight.shape[1]:
             raise ValueError(f"output_shape {tuple(output_shape)} does not hold the "
                              f"{weight.shape[1]} output features of the quantized weight")
@@ -79,6 +89,11 @@ class QuantizedLinear(nnx.Module):
                                      eager_sharding=False)
         self.zeros = None if weight.zeros is None else QuantizedArray(
             weight.zeros, out_sharding=(rows, columns), eager_sharding=False)  # [C, O]
+        if input_permutation is not None and input_permutation.shape != weight.shape[:1]:
+            raise ValueError(f"input_permutation of shape {input_permutation.shape} does not "
+                             f"fit the {weight.shape[0]} input features of the weight")
+        self.input_permutation = None if input_permutation is None else QuantizedArray(
+            input_permutation, out_sharding=(None,), eager_sharding=False)  # [I] int32
         self.format = weight.format
         self.group_size = weight.group_size
         self.bits = weight.bits
@@ -102,6 +117,8 @@ class QuantizedLinear(nnx.Module):
                 directly); default the activations' dtype.
         """
         weight = self.weight
+        if self.input_permutation is not None:
+            x = jnp.take(x, self.input_permutation[...], axis=-1)  # [..., I] weight's row order
         matmul = functools.partial(quantized_matmul_op, implementation=self.implementation,
                                    out_dtype=out_dtype)
         rows, columns = (None if name is None else active_axis(name)
@@ -113,14 +130,19 @@ class QuantizedLinear(nnx.Module):
         return out.reshape(*x.shape[:-1], *self.output_shape)  # [..., *output_shape]
 
     def dequantized(self) -> jax.Array:
-        """The float32 `[I, O]` matrix the layer multiplies by."""
-        return dequantize_weight(self.weight)
+        """The float32 `[I, O]` matrix the layer multiplies by (in the activations' feature
+        order: a permuted layer's rows are put back)."""
+        matrix = dequantize_weight(self.weight)  # [I, O] in the stored row order
+        if self.input_permutation is None:
+            return matrix
+        return jnp.zeros_like(matrix).at[self.input_permutation[...]].set(matrix)  # [I, O]
 
     def nbytes(self) -> int:
-        """Bytes of values, scales and zero points."""
+        """Bytes of values, scales, zero points and input permutation."""
         arrays = [self.values[...], self.scales[...]]
-        if self.zeros is not None:
-            arrays.append(self.zeros[...])
+        for optional in (self.zeros, self.input_permutation):
+            if optional is not None:
+                arrays.append(optional[...])
         return sum(array.size * array.dtype.itemsize for array in arrays)
 
 
@@ -212,12 +234,14 @@ class LinearSite:
             return None, None
         return axes[0], axes[self.input_axes]
 
-    def quantize(self, weight: QuantizedWeight, implementation: str = "auto") -> None:
-        """Puts a `QuantizedLinear` of `weight` in the parameter's place, with the float
-        parameter's logical axes."""
+    def quantize(self, weight: QuantizedWeight, implementation: str = "auto",
+                 input_permutation: jax.Array | None = None) -> None:
+        """Puts a `QuantizedLinear` of `weight` (rows in `input_permutation`'s order, if
+        given) in the parameter's place, with the float parameter's logical axes."""
         setattr(self.owner, self.name,
                 QuantizedLinear(weight, self.output_shape(), logical_axes=self.logical_axes(),
-                                implementation=implementation))
+                                implementation=implementation,
+                                input_permutation=input_permutation))
 
 
 def linear_sites(model: Transformer) -> list[LinearSite]:

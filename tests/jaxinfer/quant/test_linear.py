@@ -30,7 +30,7 @@ from jaxinfer.quant import (
 )
 from jaxinfer.quant.linear import quantize_matrix
 from pallas_kernels import dispatch
-from pallas_kernels.quant_matmul import quantized_matmul
+from pallas_kernels.quant_matmul import dequantize_weight, quantized_matmul
 
 SCHEMES = {
     "int8": WeightScheme(format="int8"),
@@ -65,6 +65,29 @@ def test_layer_equals_dequantize_then_matmul(scheme_name, implementation):
     # And it is a quantization of the float matmul, not some other matrix.
     assert _relative_error(out, (x @ matrix).reshape(2, 5, 4, 16)) < (
         0.02 if scheme_name == "int8" else 0.35)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "interpret"])
+def test_an_input_permuted_layer_equals_the_unpermuted_one(implementation):
+    """Rows stored in `perm` order with `input_permutation=perm` multiply like the original
+    matrix (act-order GPTQ checkpoints), and `dequantized` puts the rows back."""
+    matrix = jax.random.normal(jax.random.key(4), (64, 32))  # [K, N]
+    x = jax.random.normal(jax.random.key(5), (3, 64))  # [M, K]
+    permutation = jax.random.permutation(jax.random.key(6), 64).astype(jnp.int32)  # [K]
+    scheme = SCHEMES["int4-g32-asym"]
+    plain = QuantizedLinear(quantize_matrix(matrix, scheme), (32,),
+                            implementation=implementation)
+    permuted = QuantizedLinear(quantize_matrix(matrix[permutation], scheme), (32,),
+                               implementation=implementation, input_permutation=permutation)
+    np.testing.assert_array_equal(
+        np.asarray(permuted.dequantized()),
+        np.asarray(dequantize_weight(permuted.weight))[np.argsort(permutation)])
+    expected = x @ permuted.dequantized()  # [M, N]
+    assert _relative_error(permuted(x), expected) < 1e-5
+    assert _relative_error(permuted(x), plain(x)) < 0.2  # both quantize the same matrix
+    assert permuted.nbytes() == plain.nbytes() + 4 * 64
+    with pytest.raises(ValueError, match="input_permutation"):
+        QuantizedLinear(permuted.weight, (32,), input_permutation=permutation[:32])
 
 
 @pytest.mark.parametrize("implementation", ["reference", "interpret"])
