@@ -16,17 +16,18 @@ SMOLLM2_GGUF := $(SMOLLM2_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,demo]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet -e ".[test,demo]"
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo's own, smaller install: the project and the openai SDK, none of the test extra
 # (torch, transformers, notebooks). A later `make test` adds the rest to the same .venv.
 DEMO_STAMP := $(VENV)/.installed-demo
 
+# (setuptools' warning about editable installs is silenced: it is aimed at package authors.)
 $(DEMO_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[demo]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet -e ".[demo]"
 	touch $(DEMO_STAMP)
 
 # Two workers, each taking whole test files (module fixtures such as a started server are
