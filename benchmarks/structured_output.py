@@ -37,7 +37,8 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != RO
 sys.path.insert(0, str(ROOT))
 
 SCHEMA = {"type": "object", "properties": {
-    "id": {"type": "integer"}, "kind": {"enum": ["list", "dict", "set"]},
+    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+    "kind": {"enum": ["list", "dict", "set"]},
     "name": {"type": "string", "maxLength": 40}}, "required": ["id", "kind", "name"],
     "additionalProperties": False}
 PROMPTS = ("The list type is", "To open a file, use the", "A dictionary maps", "Python is",

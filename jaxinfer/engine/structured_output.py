@@ -25,8 +25,9 @@ The masks are off the step's critical path. Once a step's tokens are accepted, t
 hands every live matcher to `GrammarCompiler.prefetch_masks`: one worker thread computes their
 next masks together (llguidance's parallel fill, which releases the GIL) while the engine
 thread processes the step's outputs, schedules the next step and prepares its inputs.
-`fill_bitmask` then only copies the finished row. A matcher never runs on two threads at
-once: each of its calls first waits for its pending mask, and `is_terminated` and `error`
+`fill_bitmask` then only copies the finished row. Masks too cheap to be worth the hand-off
+(a batch expected under `INLINE_MASK_SECONDS`, from the measured time per row: typical of JSON
+schemas) are computed at once instead. A matcher never runs on two threads at once: each of its calls first waits for its pending mask, and `is_terminated` and `error`
 are recorded at `accept`, so the scheduler's checks never wait.
 
 Matchers start as copies of a compiled grammar's first matcher (`LLMatcher.deep_copy`,
@@ -43,6 +44,7 @@ import concurrent.futures
 import json
 import os
 import threading
+import time
 from typing import Any
 
 import llguidance
@@ -56,6 +58,11 @@ from jaxinfer.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, Tok
 FIELD = "structured_outputs"
 # Compiled grammars kept per engine (each is its grammar text: kilobytes).
 GRAMMAR_CACHE_SIZE = 256
+# A step's masks expected to take less than this are computed at once on the engine thread:
+# handing them to the worker (a thread wake-up and two GIL hand-offs) would cost more. JSON
+# schemas typically take a few microseconds a row, regexes over wide character classes tens.
+INLINE_MASK_SECONDS = 3e-4
+MASK_TIME_SMOOTHING = 0.2
 
 # llguidance's marker for a special token's bytes: such a token matches only where a grammar
 # names it (e.g. `<|eot_id|>` in Lark), never as the text it spells.
@@ -165,9 +172,10 @@ class GrammarMatcher:
         self._compiler = compiler
         self._terminated = bool(matcher.is_stopped())
         self._error = ""
-        # The next token's mask, being computed by the compiler's worker: (the future, its
-        # `[M, ceil(V_tok / 32)]` buffer, this matcher's row in it).
-        self._pending: tuple[concurrent.futures.Future, np.ndarray, int] | None = None
+        # The next token's mask, computed ahead by `GrammarCompiler.prefetch_masks`: (the
+        # worker's future, or None when it was computed at once, its `[M, ceil(V_tok / 32)]`
+        # buffer, this matcher's row in it).
+        self._pending: tuple[concurrent.futures.Future | None, np.ndarray, int] | None = None
 
     def _settle(self) -> tuple[np.ndarray, int] | None:
         """Waits for a pending mask (the worker is done with the matcher after this);
@@ -176,7 +184,8 @@ class GrammarMatcher:
         if pending is None:
             return None
         future, buffer, index = pending
-        future.result()
+        if future is not None:
+            future.result()
         return buffer, index
 
     def fill_bitmask(self, row: np.ndarray) -> None:
@@ -254,6 +263,9 @@ class GrammarCompiler:
         # matchers (llguidance's own threads, at most two: the device step wants the rest).
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
+        # Recent seconds per mask row (an exponential average), which decides where a batch
+        # is computed: starting high, the first batches go to the worker and are timed.
+        self._row_seconds = 1e-3
         # Grammar text -> its compiled grammar, most recently used last: a server checks a
         # request's parameters before queuing it and the engine compiles them again, and
         # clients tend to send the same schema many times.
@@ -306,19 +318,31 @@ class GrammarCompiler:
                     num_threads=max(1, min(2, (os.cpu_count() or 1) - 1)))
         buffer = np.zeros((len(live), self.llg_words), np.int32)  # [M, ceil(V_tok / 32)]
         targets = [(matcher._matcher, index) for index, matcher in enumerate(live)]
-        started = threading.Event()
+        future: concurrent.futures.Future | None = None
+        if len(live) * self._row_seconds < INLINE_MASK_SECONDS:
+            self._fill(targets, buffer)  # cheaper than handing it to the worker
+        else:
+            started = threading.Event()
 
-        def fill() -> None:
-            started.set()
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, targets, buffer)
+            def fill() -> None:
+                started.set()
+                self._fill(targets, buffer)
 
-        future = self._worker.submit(fill)
-        # Wait until the worker holds the GIL and is entering llguidance, which releases it:
-        # otherwise the worker would wait for this thread's GIL switch interval (5 ms, longer
-        # than the host work it is meant to overlap) before it could start.
-        started.wait()
+            future = self._worker.submit(fill)
+            # Wait until the worker holds the GIL and is entering llguidance, which releases
+            # it: otherwise the worker would wait for this thread's GIL switch interval (5 ms,
+            # longer than the host work it is meant to overlap) before it could start.
+            started.wait()
         for index, matcher in enumerate(live):
             matcher._pending = (future, buffer, index)
+
+    def _fill(self, targets: list[tuple[llguidance.LLMatcher, int]], buffer: np.ndarray
+              ) -> None:
+        """Fills `buffer`'s rows (`[M, ceil(V_tok / 32)]`) and updates the time per row."""
+        started = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, targets, buffer)
+        seconds = (time.perf_counter() - started) / len(targets)
+        self._row_seconds += MASK_TIME_SMOOTHING * (seconds - self._row_seconds)
 
     @property
     def valid_words(self) -> np.ndarray:
