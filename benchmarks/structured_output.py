@@ -5,18 +5,19 @@
 One engine (32 sequences, warmed up), the same 32 prompts, greedy, EOS ignored where the mode
 allows. Each round runs, back to back:
 - **plain**: no constraint, 64 tokens each;
-- **regex**: `[A-Za-z ,.]{1,2000}`, which the grammar cannot finish within 64 tokens, so every
-  request emits exactly as many tokens as plain and the two differ only in the masking work;
+- **regex**: `[A-Za-z ,.]{1,2000}` (a request may still end early: the grammar allows the
+  end of the output after any character, and a model may take it);
 - **json schema**: an object with an integer, an enum and a string, compact; each request
   stops when its object closes;
-- **plain, json lengths**: no constraint, each request cut to the length its JSON answer had,
-  so that the JSON mode is compared with the same tokens (the same prefill share).
+- **plain, regex lengths** and **plain, json lengths**: no constraint, each request cut to
+  the length its constrained answer had, so that each constrained mode is compared with the
+  same tokens (the same prefill share) and differs only by the constraint's work.
 
 It reports output tokens per second per mode (best of the rounds), the median over rounds of
-each constrained mode's ratio to its unconstrained peer in the same round (regex to plain,
-JSON to plain at JSON lengths), and the programs compiled during the runs (0: the bitmask is
-a fixed-shape input of every step). `--model` takes any model `LLM` loads, a GGUF file
-included (e.g. the real SmolLM2-135M-Instruct that `make smollm2-gguf` fetches).
+each constrained mode's ratio to its unconstrained peer in the same round, and the programs
+compiled during the runs (0: the bitmask is a fixed-shape input of every step). `--model`
+takes any model `LLM` loads, a GGUF file included (e.g. the real SmolLM2-135M-Instruct that
+`make smollm2-gguf` fetches).
 """
 
 from __future__ import annotations
@@ -68,38 +69,51 @@ def main() -> int:
         "json schema": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     }
 
+    # Per constraint kind: the share of each run's wall time the engine thread spent on the
+    # constraint itself (advancing matchers, taking masks, waits for the worker included).
+    constraint_share: dict[str | bool, list[float]] = {}
+
     def run(constraint: StructuredOutputsParams | None,
             lengths: list[int] | None = None) -> tuple[float, list[str], list[int]]:
         params = [SamplingParams(
             temperature=0.0, max_tokens=length, structured_outputs=constraint,
             ignore_eos=constraint is None or constraint.regex is not None)
             for length in lengths or [args.max_tokens] * len(prompts)]
+        engine = llm.engine
+        work_before = engine.seconds["grammars"] + engine.runner.seconds["masks"]
         started = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - started
+        work = engine.seconds["grammars"] + engine.runner.seconds["masks"] - work_before
+        constraint_share.setdefault(constraint is not None and constraint.kinds[0], []).append(
+            work / seconds)
         counts = [len(output.outputs[0].token_ids) for output in outputs]
         return sum(counts) / seconds, [output.outputs[0].text for output in outputs], counts
 
-    names = ("plain", "regex", "json schema", "plain, json lengths")
-    # Grammars compiled, caches warm; the JSON answers' lengths (greedy: the same each round).
-    for constraint in modes.values():
-        run(constraint)
-    json_lengths = run(modes["json schema"])[2]
-    run(None, json_lengths)
+    # Each constrained mode's peer: plain requests cut to the lengths that mode's answers had
+    # (greedy: the same every round), so both run the same tokens with the same prefill share.
+    peers = {"plain": "plain", "regex": "plain, regex lengths",
+             "json schema": "plain, json lengths"}
+    lengths = {}
+    for name, constraint in modes.items():  # grammars compiled, caches warm
+        lengths[name] = run(constraint)[2]
+        if name != "plain":
+            run(None, lengths[name])
+    names = ["plain", "regex", "plain, regex lengths", "json schema", "plain, json lengths"]
     compiled_before = llm.engine.compilations
     rates: dict[str, list[float]] = {name: [] for name in names}
     texts: dict[str, list[str]] = {}
     for _ in range(args.rounds):
         for name in names:
-            if name == "plain, json lengths":
-                rate, texts[name], _ = run(None, json_lengths)
+            if name.startswith("plain, "):
+                mode = next(mode for mode, peer in peers.items() if peer == name)
+                rate, texts[name], _ = run(None, lengths[mode])
             else:
                 rate, texts[name], _ = run(modes[name])
             rates[name].append(rate)
     compiled = llm.engine.compilations - compiled_before
     valid = sum(1 for text in texts["json schema"] if _valid(text, jsonschema))
-    peers = {"plain": "plain", "regex": "plain", "json schema": "plain, json lengths",
-             "plain, json lengths": "plain, json lengths"}
+    peers.update({name: name for name in names if name not in peers})
     ratios = {name: statistics.median(rates[name][i] / rates[peers[name]][i]
                                       for i in range(args.rounds)) for name in names}
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -117,6 +131,12 @@ def main() -> int:
     for name in names:
         peer = "" if peers[name] == name else f" (to {peers[name]})"
         lines.append(f"| {name} | {max(rates[name]):.0f} | {ratios[name]:.3f}{peer} |")
+    shares = {kind: statistics.median(values[-args.rounds:])
+              for kind, values in constraint_share.items() if kind}
+    lines += ["", "Engine-thread time spent on the constraint itself (advancing the matchers, "
+              "taking the masks, waits for the mask worker included), median share of the "
+              "run's wall time: " + ", ".join(f"{kind} {100 * share:.1f}%"
+                                               for kind, share in shares.items()) + "."]
     lines += ["", f"JSON outputs that parse and validate against the schema: {valid} / "
               f"{len(texts['json schema'])}. Programs compiled during the timed runs: "
               f"{compiled}.", ""]

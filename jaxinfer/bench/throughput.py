@@ -267,7 +267,9 @@ def run_throughput(model: Transformer, requests: Sequence[BenchRequest],
         result["vllm_token_agreement"] = agreement(requests, run.token_ids,
                                                    vllm_run.token_ids)
         result["token_ids"]["vllm"] = vllm_run.token_ids
-    total_seconds = sum(engine.seconds.values())
+    # The step's parts ("grammars" is a part of "outputs", not a further one).
+    total_seconds = sum(engine.seconds[part] for part in ("propose", "schedule", "execute",
+                                                          "outputs"))
     if total_seconds > 0:
         host = total_seconds - engine.runner.seconds["device"]
         result["engine"]["host_fraction"] = host / total_seconds

@@ -189,8 +189,10 @@ class Engine:
         self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
         # Wall seconds of each part of `step`: drafting, scheduling, the runner (its own
-        # `seconds` split it into host packing and device time) and output processing.
-        self.seconds = dict.fromkeys(("propose", "schedule", "execute", "outputs"), 0.0)
+        # `seconds` split it into host packing and device time) and output processing; of
+        # "outputs", the part spent advancing structured-output matchers ("grammars").
+        self.seconds = dict.fromkeys(("propose", "schedule", "execute", "outputs",
+                                      "grammars"), 0.0)
         if proposer is not None and self.speculative is None:
             raise ValueError("a proposer needs speculative options (num_tokens at least)")
         self.proposer: Proposer | None = proposer if proposer is not None else build_proposer(
@@ -361,7 +363,9 @@ class Engine:
         new_tokens = {sample_id: [sampled.token_id]
                       for sample_id, sampled in result.sampled.items()}
         new_tokens.update(result.speculated)
+        advancing = time.perf_counter()
         failed_outputs += self._advance_grammars(sequences, new_tokens)
+        self.seconds["grammars"] += time.perf_counter() - advancing
         updates = self.scheduler.update_from_output(scheduled, new_tokens)
         controller = self.spec_controller
         for update in updates:

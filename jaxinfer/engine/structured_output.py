@@ -25,10 +25,11 @@ The masks are off the step's critical path. Once a step's tokens are accepted, t
 hands every live matcher to `GrammarCompiler.prefetch_masks`: one worker thread computes their
 next masks together (llguidance's parallel fill, which releases the GIL) while the engine
 thread processes the step's outputs, schedules the next step and prepares its inputs.
-`fill_bitmask` then only copies the finished row. Masks too cheap to be worth the hand-off
-(a batch expected under `INLINE_MASK_SECONDS`, from the measured time per row: typical of JSON
-schemas) are computed at once instead. A matcher never runs on two threads at once: each of its calls first waits for its pending mask, and `is_terminated` and `error`
-are recorded at `accept`, so the scheduler's checks never wait.
+`fill_bitmask` then only copies the finished row. A step whose masks are cheaper than the
+hand-off (expected under `INLINE_MASK_SECONDS` from the measured time per row, e.g. a grammar
+in a state that allows few tokens) computes them at once instead. A matcher never runs on two
+threads at once: each of its calls first waits for its pending mask, and `is_terminated` and
+`error` are recorded at `accept`, so the scheduler's checks never wait.
 
 Matchers start as copies of a compiled grammar's first matcher (`LLMatcher.deep_copy`,
 about a microsecond, where building one from the grammar takes ~0.6 ms).
@@ -59,8 +60,9 @@ FIELD = "structured_outputs"
 # Compiled grammars kept per engine (each is its grammar text: kilobytes).
 GRAMMAR_CACHE_SIZE = 256
 # A step's masks expected to take less than this are computed at once on the engine thread:
-# handing them to the worker (a thread wake-up and two GIL hand-offs) would cost more. JSON
-# schemas typically take a few microseconds a row, regexes over wide character classes tens.
+# handing them to the worker (a thread wake-up and two GIL hand-offs) would cost more. A row
+# takes from a few microseconds (few tokens allowed) to hundreds (a free string or a wide
+# character class over a 50k vocabulary).
 INLINE_MASK_SECONDS = 3e-4
 MASK_TIME_SMOOTHING = 0.2
 
