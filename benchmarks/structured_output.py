@@ -72,6 +72,9 @@ def main() -> int:
     # Per constraint kind: the share of each run's wall time the engine thread spent on the
     # constraint itself (advancing matchers, taking masks, waits for the worker included).
     constraint_share: dict[str | bool, list[float]] = {}
+    # Per kind: the mask computation's own CPU seconds over the machine's (wall x cores): a
+    # floor under the cost on a machine whose "device" is these same cores.
+    mask_share: dict[str | bool, list[float]] = {}
 
     def run(constraint: StructuredOutputsParams | None,
             lengths: list[int] | None = None) -> tuple[float, list[str], list[int]]:
@@ -80,13 +83,17 @@ def main() -> int:
             ignore_eos=constraint is None or constraint.regex is not None)
             for length in lengths or [args.max_tokens] * len(prompts)]
         engine = llm.engine
+        grammars = engine.input_processor.grammars
         work_before = engine.seconds["grammars"] + engine.runner.seconds["masks"]
+        masks_before = grammars.mask_seconds
         started = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - started
         work = engine.seconds["grammars"] + engine.runner.seconds["masks"] - work_before
-        constraint_share.setdefault(constraint is not None and constraint.kinds[0], []).append(
-            work / seconds)
+        kind = constraint is not None and constraint.kinds[0]
+        constraint_share.setdefault(kind, []).append(work / seconds)
+        mask_share.setdefault(kind, []).append(
+            (grammars.mask_seconds - masks_before) / (seconds * (os.cpu_count() or 1)))
         counts = [len(output.outputs[0].token_ids) for output in outputs]
         return sum(counts) / seconds, [output.outputs[0].text for output in outputs], counts
 
@@ -137,6 +144,11 @@ def main() -> int:
               "taking the masks, waits for the mask worker included), median share of the "
               "run's wall time: " + ", ".join(f"{kind} {100 * share:.1f}%"
                                                for kind, share in shares.items()) + "."]
+    cpu_shares = {kind: statistics.median(values[-args.rounds:])
+                  for kind, values in mask_share.items() if kind}
+    lines += ["", f"CPU time of the mask computation alone, median share of the machine "
+              f"({os.cpu_count()} cores x the run's wall time): " + ", ".join(
+                  f"{kind} {100 * share:.1f}%" for kind, share in cpu_shares.items()) + "."]
     lines += ["", f"JSON outputs that parse and validate against the schema: {valid} / "
               f"{len(texts['json schema'])}. Programs compiled during the timed runs: "
               f"{compiled}.", ""]

@@ -268,6 +268,9 @@ class GrammarCompiler:
         # Recent seconds per mask row (an exponential average), which decides where a batch
         # is computed: starting high, the first batches go to the worker and are timed.
         self._row_seconds = 1e-3
+        # Seconds spent computing masks (on either thread): what the constraint costs the
+        # host's cores, whether or not it overlaps other work.
+        self.mask_seconds = 0.0
         # Grammar text -> its compiled grammar, most recently used last: a server checks a
         # request's parameters before queuing it and the engine compiles them again, and
         # clients tend to send the same schema many times.
@@ -343,8 +346,9 @@ class GrammarCompiler:
         """Fills `buffer`'s rows (`[M, ceil(V_tok / 32)]`) and updates the time per row."""
         started = time.perf_counter()
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, targets, buffer)
-        seconds = (time.perf_counter() - started) / len(targets)
-        self._row_seconds += MASK_TIME_SMOOTHING * (seconds - self._row_seconds)
+        elapsed = time.perf_counter() - started
+        self.mask_seconds += elapsed
+        self._row_seconds += MASK_TIME_SMOOTHING * (elapsed / len(targets) - self._row_seconds)
 
     @property
     def valid_words(self) -> np.ndarray:
