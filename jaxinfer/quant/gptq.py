@@ -24,10 +24,15 @@ pending in-block updates applied) before the scale is taken.
 
 The result is an ordinary `QuantizedWeight` in the scheme's format, so GPTQ and RTN models
 share loaders, kernels and checkpoints.
+
+Steps 2-6 are one routine, `error_feedback_sweep`, that takes "what to do with input row i"
+as a `ColumnRule`: GPTQ's is `GridRounding` (round it); SparseGPT
+(`jaxinfer.prune.sparsegpt`) masks it, or masks it and then rounds it with `GridRounding`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -73,6 +78,156 @@ def _grid(scheme: WeightScheme) -> WeightFormat:
     return weight_format
 
 
+@dataclasses.dataclass
+class SweepState:
+    """What a `ColumnRule` sees of the sweep, in processing order (act-order permuted).
+
+    Attributes:
+        weights: `[O, I]` weights; inputs past the current block have not yet received the
+            current block's pending updates (`current` applies them).
+        upper: `[I, I]` upper Cholesky factor of the damped `H^-1` (`H^-1 = U^T U`).
+        order: `[I]` original input index of each processing position.
+        position_of: `[I]` processing position of each original input.
+        start: First position of the current block.
+        end: One past its last position.
+        block: `[O, end - start]` the block's weights, updated as the block is walked.
+        errors: `[O, end - start]` the scaled errors of the block's inputs done so far.
+    """
+
+    weights: np.ndarray
+    upper: np.ndarray
+    order: np.ndarray
+    position_of: np.ndarray
+    start: int = 0
+    end: int = 0
+    block: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0)))
+    errors: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0)))
+
+    def current(self, positions: np.ndarray, i: int) -> np.ndarray:
+        """`[O, len(positions)]` up-to-date weights at processing `positions` (none of them
+        before the block's input `i`), while the block's input `i` is being processed."""
+        values = np.empty((self.weights.shape[0], positions.size))  # [O, P]
+        inside = positions < self.end  # [P]
+        values[:, inside] = self.block[:, positions[inside] - self.start]
+        # Later blocks have not yet received this block's pending updates.
+        outside = positions[~inside]  # [P - inside.sum()]
+        values[:, ~inside] = (self.weights[:, outside] - self.errors[:, :i]
+                              @ self.upper[self.start:self.start + i, outside])
+        return values
+
+
+# What the sweep does with the block's input `i` (its updated weights are
+# `state.block[:, i]`): returns its `[O]` replacement (rounded, masked, or both).
+ColumnRule = Callable[[SweepState, int], np.ndarray]
+
+
+def error_feedback_sweep(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
+                         column_rule: ColumnRule, *, damping: float = 0.01,
+                         block_size: int = 128, act_order: bool = False) -> np.ndarray:
+    """Steps 2-6 above with "what to do with an input row" left to `column_rule`: GPTQ
+    rounds it, SparseGPT (`jaxinfer.prune.sparsegpt`) masks it, or masks then rounds it.
+
+    Each replacement's error `e = (w_i - replacement) / U_ii` is propagated to the inputs
+    after it, within the block at once and to later blocks by one matmul per block.
+
+    Args:
+        weight: `[I, O]` float weight.
+        hessian_matrix: `[I, I]` `2/T X^T X` of the layer's calibration inputs.
+        column_rule: Called for each input in processing order (see `ColumnRule`).
+        damping: Fraction of the mean diagonal added to the diagonal.
+        block_size: Inputs per lazy-batch block.
+        act_order: Process inputs by descending Hessian diagonal.
+
+    Returns:
+        `[I, O]` float64: every input row's replacement, in the original order. Dead inputs
+        (`H_jj == 0`) reach the rule as zeros.
+    """
+    w = np.asarray(weight, np.float64).T.copy()  # [O, I]: the paper's layout
+    h = np.array(hessian_matrix, np.float64)  # [I, I]
+    k = w.shape[1]
+    dead = np.diag(h) == 0  # [I]
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)  # [I]
+    position_of = np.argsort(order)  # [I]: where each original input is processed
+    w, h = w[:, order], h[order][:, order]  # [O, I], [I, I] in processing order
+    h[np.diag_indices(k)] += damping * np.mean(np.diag(h))
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # [I, I], H^-1 = U^T U
+    state = SweepState(w, upper, order, position_of)
+    replaced = np.zeros_like(w)  # [O, I] processing order
+    for start in range(0, k, block_size):
+        end = min(start + block_size, k)
+        state.start, state.end = start, end
+        state.block = block = w[:, start:end].copy()  # [O, end - start]: updated as walked
+        state.errors = errors = np.zeros_like(block)  # [O, end - start]
+        for i in range(end - start):
+            column = block[:, i]  # [O]
+            replacement = column_rule(state, i)  # [O]
+            replaced[:, start + i] = replacement
+            error = (column - replacement) / upper[start + i, start + i]  # [O]
+            block[:, i:] -= np.outer(error, upper[start + i, start:end][i:])
+            errors[:, i] = error
+        w[:, end:] -= errors @ upper[start:end, end:]
+    return replaced[:, position_of].T  # [I, O] original order
+
+
+class GridRounding:
+    """GPTQ's column rule: rounds each input row onto the scheme's integer grid, taking a
+    group's scale (and zero point) when the sweep first reaches one of its rows, from that
+    moment's updated weights of all its rows; records the integer levels.
+
+    Called with `keep` (`[O]` bool), entries not kept get the zero point's level, so they
+    dequantize to exactly 0 (SparseGPT's joint prune-and-quantize).
+
+    Args:
+        scheme: Target format with an integer grid.
+        shape: `(I, O)` of the weight.
+
+    Raises:
+        ValueError: I is not a multiple of the group size.
+    """
+
+    def __init__(self, scheme: WeightScheme, shape: tuple[int, int]) -> None:
+        k, n = shape
+        self.scheme = scheme
+        weight_format = _grid(scheme)
+        self.group_size = weight_format.group_rows(k, scheme.group_size)
+        if k % self.group_size:
+            raise ValueError(f"K={k} is not a multiple of group_size={self.group_size}")
+        self.lowest, self.highest = weight_format.levels(scheme.bits, scheme.symmetric)
+        num_groups = k // self.group_size
+        self.scales = np.zeros((num_groups, n))  # [C, O]
+        self.zeros = None if scheme.symmetric else np.zeros((num_groups, n))  # [C, O]
+        self.has_parameters = np.zeros(num_groups, bool)  # [C]
+        self.levels = np.zeros((k, n))  # [I, O] integer levels, original order
+
+    def __call__(self, state: SweepState, i: int, keep: np.ndarray | None = None
+                 ) -> np.ndarray:
+        """The `[O]` dequantized replacement of the block's input `i`."""
+        original = state.order[state.start + i]
+        group = original // self.group_size
+        if not self.has_parameters[group]:
+            members = state.position_of[group * self.group_size:
+                                        (group + 1) * self.group_size]  # [group_size]
+            scale, zero = _group_parameters(state.current(members, i).T, self.scheme)
+            self.scales[group], self.has_parameters[group] = scale, True
+            if self.zeros is not None:
+                self.zeros[group] = zero
+        scale = self.scales[group]  # [O]
+        zero = 0.0 if self.zeros is None else self.zeros[group]  # [O] or scalar
+        column = state.block[:, i]  # [O]
+        level = np.clip(np.round(column / scale) + zero, self.lowest, self.highest)  # [O]
+        if keep is not None:
+            level = np.where(keep, level, zero)  # [O]: the grid's exact zero
+        self.levels[original] = level
+        return (level - zero) * scale  # [O]
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The levels recorded so far with their scales, in the scheme's storage."""
+        return _as_quantized_weight(self.levels.astype(np.int8), self.scales, self.zeros,
+                                    self.scheme)
+
+
 def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
                   scheme: WeightScheme, *, damping: float = 0.01, block_size: int = 128,
                   act_order: bool = True) -> QuantizedWeight:
@@ -94,58 +249,10 @@ def gptq_quantize(weight: jax.Array | np.ndarray, hessian_matrix: np.ndarray,
     Raises:
         ValueError: I is not a multiple of the group size.
     """
-    w = np.asarray(weight, np.float64).T.copy()  # [O, I]: the paper's layout
-    h = np.array(hessian_matrix, np.float64)  # [I, I]
-    n, k = w.shape
-    weight_format = _grid(scheme)
-    group_size = weight_format.group_rows(k, scheme.group_size)
-    if k % group_size:
-        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
-    dead = np.diag(h) == 0  # [I]
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)  # [I]
-    position_of = np.argsort(order)  # [I]: where each original input is processed
-    w, h = w[:, order], h[order][:, order]  # [O, I], [I, I] in processing order
-    h[np.diag_indices(k)] += damping * np.mean(np.diag(h))
-    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # [I, I], H^-1 = U^T U
-    lowest, highest = weight_format.levels(scheme.bits, scheme.symmetric)
-    num_groups = k // group_size
-    scales = np.zeros((num_groups, n))  # [C, O]
-    zeros = None if scheme.symmetric else np.zeros((num_groups, n))  # [C, O]
-    has_parameters = np.zeros(num_groups, bool)  # [C]
-    values = np.zeros((n, k))  # [O, I] integer levels, processing order
-    for start in range(0, k, block_size):
-        end = min(start + block_size, k)
-        block = w[:, start:end].copy()  # [O, end - start]: updated as the block is walked
-        errors = np.zeros_like(block)  # [O, end - start]
-        for i in range(end - start):
-            group = order[start + i] // group_size
-            if not has_parameters[group]:
-                members = position_of[group * group_size:(group + 1) * group_size]  # [group_size]
-                current = np.empty((group_size, n))  # [group_size, O]
-                inside = members < end  # [group_size]
-                current[inside] = block[:, members[inside] - start].T
-                # Later blocks have not yet received this block's pending updates.
-                outside = members[~inside]  # [group_size - inside.sum()]
-                current[~inside] = (w[:, outside] - errors[:, :i]
-                                    @ upper[start:start + i, outside]).T
-                scale, zero = _group_parameters(current, scheme)
-                scales[group], has_parameters[group] = scale, True
-                if zeros is not None:
-                    zeros[group] = zero
-            scale = scales[group]  # [O]
-            zero = 0.0 if zeros is None else zeros[group]  # [O] or scalar
-            column = block[:, i]  # [O]
-            level = np.clip(np.round(column / scale) + zero, lowest, highest)  # [O]
-            quantized = (level - zero) * scale  # [O]
-            values[:, start + i] = level
-            error = (column - quantized) / upper[start + i, start + i]  # [O]
-            block[:, i:] -= np.outer(error, upper[start + i, start:end][i:])
-            errors[:, i] = error
-        w[:, end:] -= errors @ upper[start:end, end:]
-    levels = values[:, position_of].T.astype(np.int8)  # [I, O] original order
-    return _as_quantized_weight(levels, scales, zeros, scheme)
+    rounding = GridRounding(scheme, tuple(np.shape(weight)))
+    error_feedback_sweep(weight, hessian_matrix, rounding, damping=damping,
+                         block_size=block_size, act_order=act_order)
+    return rounding.quantized_weight()
 
 
 def _as_quantized_weight(levels: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
