@@ -23,7 +23,9 @@ from typing import Any
 
 from pallas_kernels.quant_matmul import get_format
 
-METHODS = ("rtn", "gptq", "smoothquant")
+# "sparsegpt": joint SparseGPT pruning + quantization, made by `jaxinfer.prune` (not by
+# `apply_method`); the name is recorded in its checkpoints.
+METHODS = ("rtn", "gptq", "smoothquant", "sparsegpt")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,7 +75,8 @@ class QuantizationConfig:
     """A quantization method and the rules that say which weight gets which scheme.
 
     Attributes:
-        method: "rtn", "gptq" or "smoothquant" (how the quantized values were chosen).
+        method: "rtn", "gptq", "smoothquant" or "sparsegpt" (how the quantized values were
+            chosen; "sparsegpt" comes from `jaxinfer.prune.prune_model`).
         rules: First match wins; unmatched weights stay in floating point.
         smoothquant_alpha: SmoothQuant's migration strength `a` (method "smoothquant").
         gptq_damping: GPTQ's damping, a fraction of the Hessian's mean diagonal.

@@ -26,8 +26,12 @@ def apply_method(model: Transformer, config: QuantizationConfig,
         implementation: The quantized layers' `pallas_kernels.dispatch` choice.
 
     Raises:
-        ValueError: A calibrated method without windows, or a weight that does not fit.
+        ValueError: A calibrated method without windows, a weight that does not fit, or
+            "sparsegpt" (made by `jaxinfer.prune.prune_model`).
     """
+    if config.method == "sparsegpt":
+        raise ValueError("joint SparseGPT pruning + quantization is jaxinfer.prune's "
+                         "prune_model (PruningConfig with quantization)")
     if config.method == "rtn":
         return quantize_model(model, config, implementation=implementation)
     if windows is None:
