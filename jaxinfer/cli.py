@@ -19,13 +19,18 @@ appends a report section (command, machine, date, numbers). See `jaxinfer.bench`
 
     jaxinfer quantize --model M --method rtn|gptq|smoothquant --bits 8|4|3
                       [--group-size G] [--asymmetric] [--calib FILE] --out DIR
+    jaxinfer prune --model M --method magnitude|wanda|sparsegpt (--sparsity 0.5 | --pattern 2:4)
+                   [--owl] [--bits 4 --group-size 128] --calib FILE [--num-windows N]
+                   [--window W] --out DIR
     jaxinfer eval ppl --model M --data FILE [--window 256] [--stride S]
                       [--kv-cache-dtype int8] [--json]
 
 `quantize` writes a quantized checkpoint (`jaxinfer.quant.checkpoint`) that every `--model`
 flag, `LLM(model=DIR)` and `jaxinfer serve` load; GPTQ and SmoothQuant calibrate on the text
-of `--calib`. `eval ppl` prints the sliding-window perplexity of the text in `--data`; with
-`--json`, one line `{"ppl": ..., "tokens": ...}`.
+of `--calib`. `prune` writes a pruned float checkpoint (zeros in the blocks' linear
+weights, a plain HF directory), or with `--bits` a quantized one from SparseGPT's joint pass;
+both load like any other model. `eval ppl` prints the sliding-window perplexity of the text
+in `--data`; with `--json`, one line `{"ppl": ..., "tokens": ...}`.
 """
 
 from __future__ import annotations
@@ -318,8 +323,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     from jaxinfer.model_loading import load_model, resolve_model_path
     from jaxinfer.quant.checkpoint import save_quantized_model
     from jaxinfer.quant.config import QuantizationConfig
-    from jaxinfer.quant.methods import apply_method, calibration_windows
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.quant.methods import apply_method
 
     try:
         config = QuantizationConfig.for_method(
@@ -331,13 +335,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
             if args.calib is None:
                 raise CommandError(f"--method {args.method} calibrates on text: give --calib "
                                    "FILE")
-            tokenizer = load_tokenizer(resolve_model_path(args.model))
-            text = Path(args.calib).read_text(encoding="utf-8")
-            # Only the first calib_tokens tokens are used; 16 characters a token is a
-            # generous bound, so a large file is not tokenized whole.
-            text = text[:16 * args.calib_tokens]
-            windows = calibration_windows(tokenizer.encode(text), args.calib_window,
-                                          args.calib_tokens)
+            windows = _calibration_windows(args.model, args.calib, args.calib_window,
+                                           args.calib_tokens)
         model = load_model(args.model)
         quantized = apply_method(model, config, windows)
         source = resolve_model_path(args.model)
@@ -346,6 +345,98 @@ def _run_quantize(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as error:
         raise CommandError(str(error)) from None
     print(f"wrote {args.method} {args.bits}-bit checkpoint to {out}")
+    return 0
+
+
+def _calibration_windows(model: str, calib: str, window: int, max_tokens: int) -> Any:
+    """`[B, window]` calibration token ids from the start of the text file `calib`, tokenized
+    with `model`'s tokenizer, at most `max_tokens` tokens (quantize and prune)."""
+    from jaxinfer.model_loading import resolve_model_path
+    from jaxinfer.quant.calibration import calibration_windows
+    from jaxinfer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path(model))
+    text = Path(calib).read_text(encoding="utf-8")
+    # Only the first max_tokens tokens are used; 16 characters a token is a generous bound,
+    # so a large file is not tokenized whole.
+    text = text[:16 * max_tokens]
+    return calibration_windows(tokenizer.encode(text), window, max_tokens)
+
+
+def _add_prune(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "prune", help="write a pruned checkpoint (magnitude, Wanda or SparseGPT)",
+        description="Prune the blocks' linear weights in one shot, layer by layer on "
+                    "calibration text, and write a checkpoint that --model, LLM(model=DIR) "
+                    "and jaxinfer serve load directly: a float checkpoint with zeros, or with "
+                    "--bits a quantized one (joint SparseGPT + quantization). The LM head and "
+                    "the embedding stay dense.")
+    parser.add_argument("--model", required=True,
+                        help="HF checkpoint directory, jaxinfer checkpoint or builtin:demo")
+    parser.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt"), required=True,
+                        help="|W|, |W| times the input norm, or SparseGPT (survivors updated)")
+    # One target. (Structured pruning, --structured heads=..,mlp=..,layers=.., is another
+    # kind of target and would join this group.)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--sparsity", type=float,
+                        help="fraction of every output's input weights zeroed, in [0, 1)")
+    target.add_argument("--pattern", metavar="N:M",
+                        help="zero the N lowest of every M consecutive inputs (2:4, 4:8)")
+    parser.add_argument("--owl", action="store_true",
+                        help="OWL: layers with more Wanda-score outliers pruned less "
+                             "(sparsity +- --owl-lambda, mean --sparsity)")
+    parser.add_argument("--owl-lambda", type=float, default=0.08,
+                        help="OWL's largest change of a layer's sparsity")
+    parser.add_argument("--bits", type=int, choices=(8, 4, 3, 2), default=None,
+                        help="sparsegpt: also quantize the survivors in the same pass (8: "
+                             "int8 per output channel; 4, 3, 2: group-wise nibbles)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="input rows per scale with --bits 4, 3, 2 (default 128)")
+    parser.add_argument("--damping", type=float, default=0.01,
+                        help="SparseGPT damping, a fraction of the mean Hessian diagonal")
+    parser.add_argument("--calib", metavar="FILE", required=True, help="calibration text")
+    parser.add_argument("--num-windows", type=int, default=64,
+                        help="calibration sequences (of --window tokens) used at most")
+    parser.add_argument("--window", type=int, default=256,
+                        help="tokens per calibration sequence")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on stderr")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.set_defaults(handler=_run_prune)
+
+
+def _run_prune(args: argparse.Namespace) -> int:
+    from checkpoints import save_hf_checkpoint
+    from jaxinfer.model_loading import load_model, resolve_model_path
+    from jaxinfer.prune import PruningConfig, parse_pattern, prune_model
+    from jaxinfer.quant.checkpoint import save_quantized_model
+
+    try:
+        if args.bits is not None and args.method != "sparsegpt":
+            raise CommandError("--bits quantizes in SparseGPT's pass: use --method sparsegpt")
+        config = PruningConfig.for_method(
+            args.method, sparsity=args.sparsity,
+            pattern=None if args.pattern is None else parse_pattern(args.pattern),
+            owl=args.owl, owl_lambda=args.owl_lambda, bits=args.bits,
+            group_size=args.group_size, damping=args.damping)
+        windows = _calibration_windows(args.model, args.calib, args.window,
+                                       args.num_windows * args.window)
+        model = load_model(args.model)
+        pruned = prune_model(model, config, windows, progress=not args.no_progress)
+        source = resolve_model_path(args.model)
+        tokenizer_directory = source if source.is_dir() else None
+        quantization = config.quantization_config()
+        if quantization is None:
+            out = save_hf_checkpoint(pruned, args.out, tokenizer_directory=tokenizer_directory)
+        else:
+            out = save_quantized_model(pruned, quantization, args.out,
+                                       tokenizer_directory=tokenizer_directory)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        raise CommandError(str(error)) from None
+    target = f"{args.sparsity:g}" if args.pattern is None else args.pattern
+    quantized = "" if args.bits is None else f" + {args.bits}-bit"
+    print(f"wrote {args.method} {target}{' (OWL)' if args.owl else ''}{quantized} "
+          f"checkpoint to {out}")
     return 0
 
 
@@ -555,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     bench_kinds = _add_bench(subparsers)
     _add_quantize(subparsers)
+    _add_prune(subparsers)
     _add_eval(subparsers)
     _add_plugins(subparsers, bench_kinds)
     return parser
