@@ -15,6 +15,7 @@ with `jaxinfer.quant.save_quantized_model` and `config.quantization_config()`).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -83,53 +84,69 @@ def prune_model(model: Transformer, config: PruningConfig, windows: np.ndarray |
     bar = _progress(len(groups) + len(head), progress)
     for index, block in enumerate(model.layers):
         for _, capture, group in [entry for entry in groups if entry[0] == index]:
-            inputs = None
+            statistics = _Statistics(None)
             if calibrated:
                 _, captured = run_block(block, x, positions)  # with the layers pruned so far
-                inputs = captured[capture]  # [B * T, I]
+                statistics = _Statistics(captured[capture])  # [B * T, I]
             for site in group:
-                _prune_site(site, config, inputs, float(offsets[index]), on_layer,
+                _prune_site(site, config, statistics, float(offsets[index]), on_layer,
                             implementation)
             bar.update(1)
         if calibrated:
             x, _ = run_block(block, x, positions)  # [B, T, D] from the pruned block
     for site in head:
-        inputs = None
+        statistics = _Statistics(None)
         if calibrated:
             hidden, _ = model.hidden_states(token_ids, positions)  # [B, T, D]
-            inputs = hidden.reshape(-1, hidden.shape[-1])  # [B * T, D]
-        _prune_site(site, config, inputs, 0.0, on_layer, implementation)
+            statistics = _Statistics(hidden.reshape(-1, hidden.shape[-1]))  # [B * T, D]
+        _prune_site(site, config, statistics, 0.0, on_layer, implementation)
         bar.update(1)
     bar.close()
     return model
 
 
-def _prune_site(site: LinearSite, config: PruningConfig, inputs: jax.Array | None,
+class _Statistics:
+    """One group's `[T, I]` calibration inputs (or None) and what the methods take from
+    them, each computed once for the group's sites (q, k and v share them)."""
+
+    def __init__(self, inputs: jax.Array | None) -> None:
+        self.inputs = inputs  # [T, I] or None
+
+    @functools.cached_property
+    def norms(self) -> np.ndarray | None:
+        """`[I]` Wanda's input norms, or None without inputs."""
+        return None if self.inputs is None else input_norms(self.inputs)
+
+    @functools.cached_property
+    def hessian(self) -> np.ndarray:
+        """`[I, I]` SparseGPT's `2/T X^T X`."""
+        return hessian(self.inputs)
+
+
+def _prune_site(site: LinearSite, config: PruningConfig, statistics: _Statistics,
                 offset: float, on_layer: LayerCallback | None, implementation: str) -> None:
     scheme = config.scheme_for(site.path)
     sparsity = None if scheme.sparsity is None else scheme.sparsity + offset
     matrix = site.float_matrix()  # [I, O]
     try:
         if scheme.method == "sparsegpt":
-            pruned = _sparsegpt(site, scheme, config, matrix, inputs, sparsity,
+            pruned = _sparsegpt(site, scheme, config, matrix, statistics.hessian, sparsity,
                                 implementation)  # [I, O]
         else:
-            norms = None if inputs is None else input_norms(inputs)  # [I]
-            pruned = jnp.asarray(prune_matrix(matrix, scheme, norms, sparsity),
+            pruned = jnp.asarray(prune_matrix(matrix, scheme, statistics.norms, sparsity),
                                  jnp.float32)  # [I, O]
             site.set_float_matrix(pruned)
     except ValueError as error:
         raise ValueError(f"{site.path}: {error}") from None
     if on_layer is not None:
-        on_layer(site, inputs, matrix, pruned)
+        on_layer(site, statistics.inputs, matrix, pruned)
 
 
 def _sparsegpt(site: LinearSite, scheme: PruningScheme, config: PruningConfig,
-               matrix: jax.Array, inputs: jax.Array, sparsity: float | None,
+               matrix: jax.Array, h: np.ndarray, sparsity: float | None,
                implementation: str) -> jax.Array:
-    """Prunes (and, with `config.quantization`, quantizes) the site in place; returns the
-    `[I, O]` weight it now multiplies by."""
-    h = hessian(inputs)  # [I, I]
+    """Prunes (and, with `config.quantization`, quantizes) the site in place given its
+    `[I, I]` Hessian; returns the `[I, O]` weight it now multiplies by."""
     options = dict(damping=config.damping, block_size=config.block_size, sparsity=sparsity)
     if config.quantization is None:
         pruned = jnp.asarray(sparsegpt_prune(matrix, h, scheme, **options),
