@@ -1,0 +1,1 @@
+"""Pruning: structured (smaller dense models) and unstructured (masked weights)."""
