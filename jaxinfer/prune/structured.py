@@ -48,11 +48,15 @@ class StructuredPruning:
         mlp: Fraction of MLP intermediate channels to remove in every layer (rounded, at
             least one kept).
         layers: Number of whole decoder layers to remove (at least one kept).
+        mlp_multiple: Keep a multiple of this many channels, rounding the kept width up
+            (fewer removed than `mlp` asks), so the pruned width still fills the matmul
+            tiles (128 on a TPU's MXU) and splits evenly under tensor parallelism.
     """
 
     heads: float = 0.0
     mlp: float = 0.0
     layers: int = 0
+    mlp_multiple: int = 1
 
     def __post_init__(self) -> None:
         for name in ("heads", "mlp"):
@@ -61,10 +65,15 @@ class StructuredPruning:
                 raise ValueError(f"structured pruning {name} = {value}: a fraction in [0, 1)")
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
             raise ValueError(f"structured pruning layers = {self.layers!r}: a count >= 0")
+        if (isinstance(self.mlp_multiple, bool) or not isinstance(self.mlp_multiple, int)
+                or self.mlp_multiple < 1):
+            raise ValueError(f"structured pruning mlp_multiple = {self.mlp_multiple!r}: a "
+                             "count >= 1")
 
     @classmethod
     def parse(cls, text: str) -> StructuredPruning:
-        """Reads the CLI spelling `heads=0.25,mlp=0.3,layers=2` (any subset, any order).
+        """Reads the CLI spelling `heads=0.25,mlp=0.3,layers=2` (any subset, any order;
+        `mlp_multiple=128` too).
 
         Raises:
             ValueError: An unknown or repeated key, a missing `=`, or a bad value.
@@ -75,16 +84,17 @@ class StructuredPruning:
             key = key.strip()
             if not equals:
                 raise ValueError(f"structured pruning {item!r}: expected key=value")
-            if key not in ("heads", "mlp", "layers"):
-                raise ValueError(f"structured pruning key {key!r}: expected heads, mlp or "
-                                 "layers")
+            if key not in ("heads", "mlp", "layers", "mlp_multiple"):
+                raise ValueError(f"structured pruning key {key!r}: expected heads, mlp, "
+                                 "layers or mlp_multiple")
             if key in fields:
                 raise ValueError(f"structured pruning key {key!r} given twice")
             try:
-                fields[key] = int(value) if key == "layers" else float(value)
+                whole = key in ("layers", "mlp_multiple")
+                fields[key] = int(value) if whole else float(value)
             except ValueError:
                 raise ValueError(f"structured pruning {key} = {value.strip()!r}: not a "
-                                 f"{'whole number' if key == 'layers' else 'number'}") from None
+                                 f"{'whole number' if whole else 'number'}") from None
         return cls(**fields)
 
     def removed_counts(self, config: ModelConfig) -> tuple[int, int, int]:
@@ -94,7 +104,10 @@ class StructuredPruning:
             ValueError: Nothing of a structure would be left.
         """
         groups = round(self.heads * config.num_kv_heads)
-        channels = round(self.mlp * config.intermediate_size)
+        width = config.intermediate_size
+        kept = width - round(self.mlp * width)
+        kept = min(width, -(-kept // self.mlp_multiple) * self.mlp_multiple)  # rounded up
+        channels = width - kept
         if groups >= config.num_kv_heads:
             raise ValueError(f"heads = {self.heads} removes all {config.num_kv_heads} KV groups")
         if channels >= config.intermediate_size:

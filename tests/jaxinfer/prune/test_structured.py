@@ -97,9 +97,19 @@ def test_spec_parses_the_cli_spelling():
         heads=0.25, mlp=0.3, layers=2)
     assert StructuredPruning.parse(" layers=1 ") == StructuredPruning(layers=1)
     for bad in ("heads=1.0", "mlp=-0.1", "layers=1.5", "layers=-1", "width=0.5", "heads",
-                "heads=0.1,heads=0.2", "mlp=lots"):
+                "heads=0.1,heads=0.2", "mlp=lots", "mlp_multiple=0.5"):
         with pytest.raises(ValueError):
             StructuredPruning.parse(bad)
+
+
+def test_kept_mlp_width_is_rounded_up_to_the_multiple():
+    # 128 channels, 30% removed: 90 kept, rounded up to 96 (a multiple of 32).
+    assert StructuredPruning(mlp=0.3).removed_counts(CONFIG) == (0, 38, 0)
+    spec = StructuredPruning.parse("mlp=0.3,mlp_multiple=32,heads=0.25")
+    assert spec.removed_counts(CONFIG) == (1, 32, 0)
+    assert StructuredPruning(mlp=0.3, mlp_multiple=256).removed_counts(CONFIG) == (0, 0, 0)
+    with pytest.raises(ValueError, match="mlp_multiple"):
+        StructuredPruning(mlp_multiple=0)
 
 
 def test_spec_that_removes_everything_is_refused(model, windows):
