@@ -68,69 +68,99 @@ def check_prunable(model: Transformer) -> None:
                              "pruning works on float models (prune before quantizing)")
 
 
-def activation_importance(model: Transformer, windows: np.ndarray) -> StructureScores:
+DEFAULT_BATCH_SIZE = 8
+
+
+def _batches(windows: np.ndarray, batch_size: int) -> list[jax.Array]:
+    """`[B, T]` windows as `[batch_size, T]` chunks (the last may be shorter)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size = {batch_size}: must be >= 1")
+    windows = np.asarray(windows, np.int32)  # [B, T]
+    return [jnp.asarray(windows[start:start + batch_size])
+            for start in range(0, windows.shape[0], batch_size)]
+
+
+def activation_importance(model: Transformer, windows: np.ndarray, *,
+                          batch_size: int = DEFAULT_BATCH_SIZE) -> StructureScores:
     """Minitron's activation importance of KV groups, MLP channels and layers.
 
     Args:
         model: A dense float model (see `check_prunable`).
         windows: `[B, T]` calibration token windows (`calibration_windows`).
+        batch_size: Windows per forward pass; the scores are the same for any value (up to
+            float rounding), only the memory a pass takes changes.
 
     Returns:
         The scores of every structure, from one pass over the windows.
     """
     check_prunable(model)
     config = model.config
-    token_ids = jnp.asarray(windows)  # [B, T]
-    positions = positions_for(token_ids)  # [B, T]
-    x = embedding_output(model, token_ids)  # [B, T, D]
-    kv_groups, channels, layers = [], [], []
-    for block in model.layers:
-        out, captured = run_block(block, x, positions)  # [B, T, D], site -> [B * T, I]
-        group, channel, influence = _activation_scores(
-            x, out, captured["attention_output"], captured["mlp_hidden"],
-            config.num_kv_heads, config.head_dim)  # [K], [F], []
-        kv_groups.append(group)
-        channels.append(channel)
-        layers.append(influence)
-        x = out
-    return StructureScores(np.stack(jax.device_get(kv_groups)),
-                           np.stack(jax.device_get(channels)),
-                           np.asarray(jax.device_get(layers)))
+    layers = config.num_layers
+    kv_groups = np.zeros((layers, config.num_kv_heads))  # [L, K] sums over tokens
+    channels = np.zeros((layers, config.intermediate_size))  # [L, F] sums over tokens
+    influence = np.zeros(layers)  # [L] sums over tokens
+    tokens = 0
+    for token_ids in _batches(windows, batch_size):
+        positions = positions_for(token_ids)  # [b, T]
+        x = embedding_output(model, token_ids)  # [b, T, D]
+        for index, block in enumerate(model.layers):
+            out, captured = run_block(block, x, positions)  # [b, T, D], site -> [b * T, I]
+            group, channel, layer = jax.device_get(_activation_sums(
+                x, out, captured["attention_output"], captured["mlp_hidden"],
+                config.num_kv_heads, config.head_dim))  # [K], [F], []
+            kv_groups[index] += group
+            channels[index] += channel
+            influence[index] += layer
+            x = out
+        tokens += token_ids.size
+    return StructureScores(kv_groups, channels / tokens, influence / tokens)
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
-def _activation_scores(block_input: jax.Array, block_output: jax.Array,
-                       attention_output: jax.Array, mlp_hidden: jax.Array, num_kv_heads: int,
-                       head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One block's `[K]` group, `[F]` channel and `[]` layer scores from its captures."""
+def _activation_sums(block_input: jax.Array, block_output: jax.Array,
+                     attention_output: jax.Array, mlp_hidden: jax.Array, num_kv_heads: int,
+                     head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One block's `[K]` group, `[F]` channel and `[]` layer scores from its captures,
+    summed over the tokens (the caller divides the means by the token count)."""
     tokens = attention_output.shape[0]
     # Query head n = k * G + g: the grouping `dot_product_attention` uses.
     heads = attention_output.astype(jnp.float32).reshape(
         tokens, num_kv_heads, -1, head_dim)  # [B * T, K, G, H]
     group = jnp.linalg.norm(heads, axis=-1).sum(axis=(0, 2))  # [K]
-    channel = jnp.abs(mlp_hidden.astype(jnp.float32)).mean(axis=0)  # [F]
+    channel = jnp.abs(mlp_hidden.astype(jnp.float32)).sum(axis=0)  # [F]
     inputs = block_input.astype(jnp.float32)  # [B, T, D]
     outputs = block_output.astype(jnp.float32)  # [B, T, D]
     cosine = (inputs * outputs).sum(-1) / jnp.maximum(
         jnp.linalg.norm(inputs, axis=-1) * jnp.linalg.norm(outputs, axis=-1),
         1e-12)  # [B, T]
-    return group, channel, 1.0 - cosine.mean()
+    return group, channel, (1.0 - cosine).sum()
 
 
-def taylor_importance(model: Transformer, windows: np.ndarray) -> StructureScores:
+def taylor_importance(model: Transformer, windows: np.ndarray, *,
+                      batch_size: int = DEFAULT_BATCH_SIZE) -> StructureScores:
     """First-order Taylor importance, |w · ∂L/∂w| summed per structure (module docstring).
 
     Args:
         model: A dense float model (see `check_prunable`).
         windows: `[B, T]` calibration token windows; the loss is the mean next-token
-            cross-entropy over them.
+            cross-entropy over all of them.
+        batch_size: Windows per forward and backward pass (the gradient of the whole loss
+            is accumulated over the passes, so only memory depends on it).
 
     Returns:
-        The scores of every structure, from one forward and backward pass.
+        The scores of every structure.
     """
     check_prunable(model)
     graphdef, params = nnx.split(model, nnx.Param)
-    kv_groups, channels, layers = _taylor_scores(graphdef, params, jnp.asarray(windows))
+    batches = _batches(windows, batch_size)
+    total = None
+    for token_ids in batches:
+        # Each batch's mean loss, weighted by its share of the windows: the sum is the
+        # gradient of the mean over all windows.
+        weight = token_ids.shape[0] / np.asarray(windows).shape[0]
+        gradient = _weighted_gradient(graphdef, params, token_ids, weight)
+        total = gradient if total is None else jax.tree.map(jnp.add, total, gradient)
+    kv_groups, channels, layers = _taylor_scores(graphdef, params, total)
     return StructureScores(*(np.asarray(jax.device_get(scores))
                              for scores in (kv_groups, channels, layers)))
 
@@ -144,14 +174,23 @@ def next_token_loss(model: Transformer, token_ids: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _taylor_scores(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array
+def _weighted_gradient(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array,
+                       weight: float) -> nnx.State:
+    return jax.grad(lambda p: weight * next_token_loss(nnx.merge(graphdef, p), token_ids))(
+        params)
+
+
+@jax.jit
+def _saliency(params: nnx.State, gradients: nnx.State) -> nnx.State:
+    return jax.tree.map(lambda w, g: jnp.abs(w.astype(jnp.float32) * g.astype(jnp.float32)),
+                        params, gradients)
+
+
+def _taylor_scores(graphdef: nnx.GraphDef, params: nnx.State, gradients: nnx.State
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    gradients = jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p), token_ids))(params)
-    model = nnx.merge(graphdef, params)
-    saliency = nnx.merge(graphdef, jax.tree.map(
-        lambda w, g: jnp.abs(w.astype(jnp.float32) * g.astype(jnp.float32)), params,
-        gradients))  # the model's structure holding |w * dL/dw| per weight
-    config = model.config
+    """Per structure, the sum of |w * dL/dw| over the weights it owns."""
+    saliency = nnx.merge(graphdef, _saliency(params, gradients))  # |w * dL/dw| per weight
+    config = saliency.config
     num_kv, group = config.num_kv_heads, config.group_size
     kv_groups, channels, layers = [], [], []
     for block in saliency.layers:
@@ -175,14 +214,16 @@ def _taylor_scores(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Arr
 
 
 def structure_importance(model: Transformer, windows: np.ndarray,
-                         importance: str = "activation") -> StructureScores:
-    """Scores with the estimator named by `importance` (one of IMPORTANCE_KINDS).
+                         importance: str = "activation", *,
+                         batch_size: int = DEFAULT_BATCH_SIZE) -> StructureScores:
+    """Scores with the estimator named by `importance` (one of IMPORTANCE_KINDS), passing
+    `batch_size` windows through the model at a time.
 
     Raises:
         ValueError: An unknown estimator.
     """
     if importance == "activation":
-        return activation_importance(model, windows)
+        return activation_importance(model, windows, batch_size=batch_size)
     if importance == "taylor":
-        return taylor_importance(model, windows)
+        return taylor_importance(model, windows, batch_size=batch_size)
     raise ValueError(f"importance = {importance!r}: supported {IMPORTANCE_KINDS}")

@@ -35,7 +35,12 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import Transformer
 from jaxinfer.models.transformer import abstract_model
-from jaxinfer.prune.importance import StructureScores, check_prunable, structure_importance
+from jaxinfer.prune.importance import (
+    DEFAULT_BATCH_SIZE,
+    StructureScores,
+    check_prunable,
+    structure_importance,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +253,8 @@ def apply_plan(model: Transformer, plan: PruningPlan) -> Transformer:
 
 
 def structured_prune(model: Transformer, spec: StructuredPruning | str, windows: np.ndarray,
-                     importance: str = "activation") -> Transformer:
+                     importance: str = "activation", *,
+                     batch_size: int = DEFAULT_BATCH_SIZE) -> Transformer:
     """Scores the model's structures on calibration windows and slices out the least
     important ones (`jaxinfer prune --structured heads=...,mlp=...,layers=N`).
 
@@ -259,6 +265,7 @@ def structured_prune(model: Transformer, spec: StructuredPruning | str, windows:
             (`jaxinfer.quant.calibration.calibration_windows`).
         importance: "activation" (Minitron's activation norms and block influence) or
             "taylor" (|w · ∂L/∂w| per structure).
+        batch_size: Calibration windows per forward (and backward) pass.
 
     Returns:
         A new, smaller dense model; `model` is unchanged.
@@ -269,5 +276,5 @@ def structured_prune(model: Transformer, spec: StructuredPruning | str, windows:
     if isinstance(spec, str):
         spec = StructuredPruning.parse(spec)
     spec.removed_counts(model.config)  # fail on a bad spec before the calibration pass
-    scores = structure_importance(model, windows, importance)
+    scores = structure_importance(model, windows, importance, batch_size=batch_size)
     return apply_plan(model, plan_pruning(model.config, scores, spec))

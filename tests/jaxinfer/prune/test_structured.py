@@ -21,12 +21,10 @@ from jaxinfer.engine.factory import build_engine
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.generate import generate
 from jaxinfer.models import create_model
-from jaxinfer.prune.importance import IMPORTANCE_KINDS, structure_importance
 from jaxinfer.prune.structured import (
     PruningPlan,
     StructuredPruning,
     apply_plan,
-    plan_pruning,
     structured_prune,
 )
 from tests.tiny_hf import hf_logits, relative_error
@@ -176,37 +174,6 @@ def test_removal_equals_zeroing_the_same_structures(attention_bias):
     np.testing.assert_allclose(ours, reference, atol=1e-5, rtol=1e-5)
     # And it is a real change: the unpruned model gives other logits.
     assert not np.allclose(np.asarray(model(ids)[0]), ours, atol=1e-3)
-
-
-# ---------------------------------------------------------------------------- importance
-
-
-@pytest.mark.parametrize("importance", IMPORTANCE_KINDS)
-def test_importance_finds_structures_made_unimportant(importance, windows):
-    model = create_model(CONFIG, seed=6)
-    weak_group, weak_channel, weak_layer = 2, 37, 1
-    tiny = 1e-3
-    for index, block in enumerate(model.layers):
-        attention, mlp = block.attention, block.mlp
-        heads = np.arange(CONFIG.num_heads) // CONFIG.group_size == weak_group  # [N]
-        # The group's values and its query heads' o_proj rows near zero: its heads' outputs
-        # (activation) and their effect on the loss (Taylor) vanish.
-        attention.v_proj[...] = attention.v_proj[...].at[:, weak_group].multiply(tiny)
-        attention.o_proj[...] = attention.o_proj[...].at[heads].multiply(tiny)
-        mlp.gate_proj[...] = mlp.gate_proj[...].at[:, weak_channel].multiply(tiny)
-        mlp.down_proj[...] = mlp.down_proj[...].at[weak_channel].multiply(tiny)
-        if index == weak_layer:  # the whole block writes almost nothing to the stream
-            attention.o_proj[...] = attention.o_proj[...] * tiny
-            mlp.down_proj[...] = mlp.down_proj[...] * tiny
-    scores = structure_importance(model, windows, importance)
-    assert scores.kv_groups.shape == (4, 4) and scores.channels.shape == (4, 128)
-    assert (scores.kv_groups.argmin(axis=1) == weak_group).all(), scores.kv_groups
-    assert (scores.channels.argmin(axis=1) == weak_channel).all()
-    assert scores.layers.argmin() == weak_layer, scores.layers
-    plan = plan_pruning(CONFIG, scores, StructuredPruning(heads=0.25, mlp=0.01, layers=1))
-    assert all(weak_group not in kept and len(kept) == 3 for kept in plan.kv_groups)
-    assert all(weak_channel not in kept and len(kept) == 127 for kept in plan.channels)
-    assert plan.layers == (0, 2, 3)
 
 
 # ---------------------------------------------------------------------------- serving
