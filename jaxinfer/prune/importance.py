@@ -101,10 +101,11 @@ def activation_importance(model: Transformer, windows: np.ndarray, *,
     influence = np.zeros(layers)  # [L] sums over tokens
     tokens = 0
     for token_ids in _batches(windows, batch_size):
-        positions = positions_for(token_ids)  # [b, T]
-        x = embedding_output(model, token_ids)  # [b, T, D]
+        positions = positions_for(token_ids)  # [batch_size, T]
+        x = embedding_output(model, token_ids)  # [batch_size, T, D]
         for index, block in enumerate(model.layers):
-            out, captured = run_block(block, x, positions)  # [b, T, D], site -> [b * T, I]
+            # [batch_size, T, D], site -> [batch_size * T, I]
+            out, captured = run_block(block, x, positions)
             group, channel, layer = jax.device_get(_activation_sums(
                 x, out, captured["attention_output"], captured["mlp_hidden"],
                 config.num_kv_heads, config.head_dim))  # [K], [F], []
