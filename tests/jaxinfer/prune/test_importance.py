@@ -3,13 +3,21 @@ constructed model makes unimportant, and neither depends on how the windows are 
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxinfer.config import get_preset
 from jaxinfer.models import create_model
 from jaxinfer.models.scan import stack_layers
-from jaxinfer.prune.importance import IMPORTANCE_KINDS, check_prunable, structure_importance
+from jaxinfer.prune.importance import (
+    IMPORTANCE_KINDS,
+    check_prunable,
+    next_token_loss,
+    structure_importance,
+)
 from jaxinfer.prune.structured import StructuredPruning, plan_pruning
 
 CONFIG = get_preset("tiny").replace(num_layers=4, num_heads=8, num_kv_heads=4)
@@ -66,3 +74,38 @@ def test_moe_and_stacked_models_are_refused():
     stacked = stack_layers(create_model(CONFIG))
     with pytest.raises(ValueError, match="unstacked"):
         check_prunable(stacked)
+
+
+def test_taylor_scores_sum_each_structures_own_weights(windows):
+    """Taylor scores against |w * dL/dw| summed by explicit indexing of the weights each
+    structure owns (query head n of group k is n = k * G + g)."""
+    config = CONFIG.replace(attention_bias=True)
+    model = create_model(config, seed=9)
+    gradients = nnx.jit(nnx.grad(next_token_loss))(model, jnp.asarray(windows))
+    scores = structure_importance(model, windows, "taylor", batch_size=4)
+    group_size = config.group_size
+    for index in (0, 3):
+        block, grads = model.layers[index], gradients["layers"][index]
+
+        def saliency(module: str, name: str, block=block, grads=grads) -> np.ndarray:
+            weight = getattr(getattr(block, module), name)[...]
+            return np.abs(np.asarray(weight) * np.asarray(grads[module][name][...]))
+
+        for group in range(config.num_kv_heads):
+            queries = list(range(group * group_size, (group + 1) * group_size))
+            expected = (saliency("attention", "q_proj")[:, queries].sum()
+                        + saliency("attention", "k_proj")[:, group].sum()
+                        + saliency("attention", "v_proj")[:, group].sum()
+                        + saliency("attention", "o_proj")[queries].sum()
+                        + saliency("attention", "q_bias")[queries].sum()
+                        + saliency("attention", "k_bias")[group].sum()
+                        + saliency("attention", "v_bias")[group].sum())
+            np.testing.assert_allclose(scores.kv_groups[index, group], expected, rtol=1e-4)
+        for channel in (0, 77):
+            expected = (saliency("mlp", "gate_proj")[:, channel].sum()
+                        + saliency("mlp", "up_proj")[:, channel].sum()
+                        + saliency("mlp", "down_proj")[channel].sum())
+            np.testing.assert_allclose(scores.channels[index, channel], expected, rtol=1e-4)
+        every_weight = sum(np.abs(np.asarray(w) * np.asarray(g)).sum() for w, g in zip(
+            jax.tree.leaves(nnx.state(block, nnx.Param)), jax.tree.leaves(grads)))
+        np.testing.assert_allclose(scores.layers[index], every_weight, rtol=1e-4)
