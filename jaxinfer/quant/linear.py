@@ -51,7 +51,9 @@ class QuantizedLinear(nnx.Module):
     - output split (q, k, v, gate, up): each shard computes its columns from the whole `x`;
     - input split (o, down): each shard multiplies its slice of `x` by its rows, and one
       all-reduce adds the partial sums, as for the float weight. W8A8 then quantizes each
-      token per slice (a scale per token and shard), not over the whole row.
+      token per slice (a scale per token and shard), not over the whole row. Compressed 2:4
+      sparse formats (`WeightFormat.sparse_2_4`) store the two halves of I side by side, so
+      they are refused on input-split layers (ValueError at the call).
 
     A layer may hold an input permutation (GPTQ checkpoints quantized with act-order, whose
     groups are scattered over the input rows; `jaxinfer.quant.pre_quantized`): its weight's

@@ -13,6 +13,7 @@ from jaxinfer.config import get_preset
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.generate import generate
 from jaxinfer.llm import LLM
+from jaxinfer.model_loading import load_model
 from jaxinfer.models import create_model
 from jaxinfer.quant import (
     QuantizationConfig,
@@ -26,6 +27,7 @@ from jaxinfer.quant import (
     restore_quantized_model,
     save_quantized_model,
 )
+from jaxinfer.sharding import activate, make_mesh
 from pallas_kernels import dispatch
 from pallas_kernels.quant_matmul import sparse24
 
@@ -39,6 +41,14 @@ MIXED = QuantizationConfig(method="rtn", rules=(
     QuantizationRule(r"\.mlp\.", WeightScheme(format="sparse24_int4", group_size=32)),
     QuantizationRule(r"\.o_proj$", WeightScheme(format="sparse24_int8")),
     QuantizationRule(r".", WeightScheme(format="sparse24")),
+))
+
+# Under tensor parallelism: the compressed layout keeps the two halves of I side by side,
+# so only output-split layers (q, k, v, gate, up) can be sparse; o and down stay int8.
+OUTPUT_SPLIT = QuantizationConfig(method="rtn", rules=(
+    QuantizationRule(r"lm_head$", None),
+    QuantizationRule(r"\.(o_proj|down_proj)$", WeightScheme(format="int8")),
+    QuantizationRule(r".", WeightScheme(format="sparse24_int4", group_size=32)),
 ))
 
 
@@ -129,3 +139,28 @@ def test_a_model_that_is_not_2_4_is_refused():
     dense = create_model(get_preset("tiny"), seed=0)
     with pytest.raises(ValueError, match=r"layers\.0\.attention\.q_proj: weight is not 2:4"):
         quantize_model(dense, FLOAT)
+
+
+@pytest.mark.slow  # about 30 s: a TP=2 engine
+def test_output_split_sparse_layers_serve_under_tensor_parallelism(pruned, tmp_path):
+    quantized = quantize_model(pruned, OUTPUT_SPLIT)
+    directory = save_quantized_model(quantized, OUTPUT_SPLIT, tmp_path / "tp")
+    mesh = make_mesh({"model": 2}, devices=jax.devices()[:2])
+    q_proj = load_model(directory, mesh=mesh).layers[0].attention.q_proj
+    assert q_proj.positions[...].addressable_shards[0].data.shape == (8, 32)  # [I / 8, O / 2]
+    assert q_proj.values[...].addressable_shards[0].data.shape == (16, 32)  # [I / 4, O / 2]
+    expected = generate(quantized, _prompts(), max_new_tokens=5, eos_token_ids=())
+    llm = LLM(directory, tensor_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=64, bucket_growth=4)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in _prompts()],
+                           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+
+
+def test_an_input_split_sparse_layer_is_refused(pruned, tmp_path):
+    directory = save_quantized_model(quantize_model(pruned, MIXED), MIXED, tmp_path / "mixed")
+    mesh = make_mesh({"model": 2}, devices=jax.devices()[:2])
+    loaded = load_model(directory, mesh=mesh)
+    tokens = jax.random.randint(jax.random.key(0), (1, 8), 0, 512)  # [B, T]
+    with activate(mesh), pytest.raises(ValueError, match="cannot be split on its inputs"):
+        loaded(tokens)
