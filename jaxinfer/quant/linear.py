@@ -84,7 +84,7 @@ class QuantizedLinear(nnx.Module):
         grouped = weight.scales is not None and weight.scales.ndim == 2
         # Group scales and zero points follow the rows they scale. eager_sharding=False:
         # placement is decided for the whole model by the loader, as for float parameters.
-        self.values = QuantizedArray(weight.values,  # [I, O] int8 or [I // 2, O] uint8
+        self.values = QuantizedArray(weight.values,  # [I // rows_per_stored_row, O]
                                      out_sharding=(rows, columns), eager_sharding=False)
         self.scales = None if weight.scales is None else QuantizedArray(
             weight.scales,  # [O] or [C, O] float32
