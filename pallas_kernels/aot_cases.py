@@ -2,7 +2,7 @@
 
 Each case describes one call of a public op by sizes only and compiles it, through
 `pallas_kernels.aot.compile_for`, with the op forced to its Pallas kernel. `MATRIX` is the
-whole table, 70 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
+whole table, 78 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
 `aot.TOPOLOGIES`), and so does `make tpu-check`, in CI.
 
 Ragged paged attention. The dimensions are KV dtype (bf16, int8), batch (decode-only, mixed
@@ -21,7 +21,8 @@ model's few KV heads split over tensor parallelism (Llama-3-8B at TP 8 holds one
 Quantized matmul. Every registered weight format: int8 per channel, W8A8, int4 symmetric
 and with zero points at group sizes 16, 32, 64, 96, 128, 256 and I (one group over all 4096
 rows: per-channel int4), int4 with float32 zero points and int8 with group-wise scales at
-group size 32 (GGUF's Q4_1 and Q8_0), at M = 1 (decode) and M = 256, on a [4096, 14336]
+group size 32 (GGUF's Q4_1 and Q8_0), compressed 2:4 sparse weights (bf16 values, int8
+per channel, int4 at group sizes 32 and 128), at M = 1 (decode) and M = 256, on a [4096, 14336]
 weight (Llama's MLP; 4608 rows for the group of 96, which must divide I). The kernel takes
 any even group that divides I, in blocks holding whole groups in whole 128-lane tiles or
 lying inside one group; the public op refuses, before compiling, the groups that would force
@@ -167,10 +168,13 @@ class MatmulCase:
     float_zeros: bool = False
 
     def arguments(self) -> list[jax.ShapeDtypeStruct]:
-        """x, then the `QuantizedWeight`'s values, scales and (asymmetric int4) zeros."""
+        """x, then the `QuantizedWeight`'s values, scales and (asymmetric int4) zeros; for a
+        2:4 sparse format, its non-None leaves (values, scales, positions) in pytree order."""
         import jax.numpy as jnp
 
         x = jax.ShapeDtypeStruct((self.m, self.k), jnp.bfloat16)  # [T, I]
+        if self.sparse:
+            return [x, *jax.tree.leaves(self._sparse_weight_shapes())]
         if self.group_size is not None:
             groups = self.k // self.group_size
             packed = self.weight_format == "int4"
@@ -185,10 +189,39 @@ class MatmulCase:
         return [x, jax.ShapeDtypeStruct((self.k, self.n), jnp.int8),  # [I, O]
                 jax.ShapeDtypeStruct((self.n,), jnp.float32)]  # [O]
 
+    @property
+    def sparse(self) -> bool:
+        """Whether the format is a compressed 2:4 sparse one (positions among its arrays)."""
+        from pallas_kernels.quant_matmul import get_format
+
+        return get_format(self.weight_format).sparse_2_4
+
+    def _sparse_weight_shapes(self):
+        """The shapes of a compressed 2:4 `[I, O]` weight, from its quantizer (traced: the
+        2:4 check needs values and is skipped)."""
+        import jax.numpy as jnp
+
+        from pallas_kernels.quant_matmul import quantize_weight
+
+        return jax.eval_shape(
+            lambda w: quantize_weight(w, self.weight_format, group_size=self.group_size or 128),
+            jax.ShapeDtypeStruct((self.k, self.n), jnp.bfloat16))
+
     def compile(self, topology: str) -> AotResult:
         """Compiles the public op (forced to the Pallas kernel) for `topology`."""
+        if self.sparse:
+            structure = jax.tree.structure(self._sparse_weight_shapes())
+            return compile_for(topology, _sparse_matmul, self.arguments(),
+                               static_kwargs=dict(structure=structure))
         return compile_for(topology, _matmul, self.arguments(), static_kwargs=dict(
             weight_format=self.weight_format, group_size=self.group_size))
+
+
+def _sparse_matmul(x, *leaves, structure):
+    from pallas_kernels.quant_matmul import quantized_matmul
+
+    weight = jax.tree.unflatten(structure, leaves)
+    return quantized_matmul(x, weight, implementation="pallas")
 
 
 def _matmul(x, values, scales, zeros=None, *, weight_format, group_size):
@@ -216,6 +249,9 @@ _MATMUL_LAYOUTS: tuple[tuple[str, int | None, int, bool, bool], ...] = (
       for group_size in (16, 32, 64, 96, 128, 256, 4096) for symmetric in (True, False)),
     ("int4", 32, 4096, False, True),
     ("int8_grouped", 32, 4096, True, False),
+    ("sparse24", None, 4096, True, False),
+    ("sparse24_int8", None, 4096, True, False),
+    *(("sparse24_int4", group_size, 4096, True, False) for group_size in (32, 128)),
 )
 
 MATMUL_CASES: tuple[MatmulCase, ...] = tuple(

@@ -1,6 +1,7 @@
-"""Pruning: one-shot unstructured and N:M masks (magnitude, Wanda, SparseGPT, with OWL's
-layer sparsities), applied to a model by regex rules; SparseGPT can quantize the survivors
-in the same pass."""
+"""Pruning: structured (smaller dense models, `jaxinfer.prune.structured`) and unstructured
+(masked weights): one-shot unstructured and N:M masks (magnitude, Wanda, SparseGPT, with
+OWL's layer sparsities), applied to a model by regex rules; SparseGPT can quantize the
+survivors in the same pass."""
 
 from jaxinfer.prune.apply import prune_model
 from jaxinfer.prune.config import (

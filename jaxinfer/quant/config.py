@@ -38,20 +38,27 @@ class WeightScheme:
     Attributes:
         format: A registered format: "int8" (weight-only, per output channel), "int4"
             (group-wise, nibble-packed; also holds 3- and 2-bit grids), "w8a8" (int8
-            weights and per-token int8 activations), or one registered later.
-        bits: 8 for the int8 formats; 4, 3 or 2 for "int4".
+            weights and per-token int8 activations), the compressed 2:4 sparse "sparse24"
+            (float values), "sparse24_int8" and "sparse24_int4" (which take weights already
+            pruned to 2:4, see `pallas_kernels.quant_matmul.sparse24`), or one registered
+            later.
+        bits: 8 for the int8 formats; 4, 3 or 2 for "int4"; 16 (bf16) or 32 (f32) for
+            "sparse24". None (the default): the format's default width.
         group_size: Input rows per scale for grouped formats ("int4"); None for the
             per-channel ones.
         symmetric: False stores zero points (formats that hold them: "int4").
     """
 
     format: str
-    bits: int = 8
+    bits: int | None = None
     group_size: int | None = None
     symmetric: bool = True
 
     def __post_init__(self) -> None:
-        get_format(self.format).check_options(self.bits, self.group_size, self.symmetric)
+        weight_format = get_format(self.format)
+        if self.bits is None:  # frozen dataclass: the default depends on the format
+            object.__setattr__(self, "bits", weight_format.bits[0])
+        weight_format.check_options(self.bits, self.group_size, self.symmetric)
 
 
 @dataclasses.dataclass(frozen=True)

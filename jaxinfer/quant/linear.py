@@ -51,7 +51,9 @@ class QuantizedLinear(nnx.Module):
     - output split (q, k, v, gate, up): each shard computes its columns from the whole `x`;
     - input split (o, down): each shard multiplies its slice of `x` by its rows, and one
       all-reduce adds the partial sums, as for the float weight. W8A8 then quantizes each
-      token per slice (a scale per token and shard), not over the whole row.
+      token per slice (a scale per token and shard), not over the whole row. Compressed 2:4
+      sparse formats (`WeightFormat.sparse_2_4`) store the two halves of I side by side, so
+      they are refused on input-split layers (ValueError at the call).
 
     A layer may hold an input permutation (GPTQ checkpoints quantized with act-order, whose
     groups are scattered over the input rows; `jaxinfer.quant.pre_quantized`): its weight's
@@ -79,16 +81,18 @@ class QuantizedLinear(nnx.Module):
             raise ValueError(f"output_shape {tuple(output_shape)} does not hold the "
                              f"{weight.shape[1]} output features of the quantized weight")
         rows, columns = logical_axes
-        grouped = weight.scales.ndim == 2
+        grouped = weight.scales is not None and weight.scales.ndim == 2
         # Group scales and zero points follow the rows they scale. eager_sharding=False:
         # placement is decided for the whole model by the loader, as for float parameters.
-        self.values = QuantizedArray(weight.values,  # [I, O] int8 or [I // 2, O] uint8
+        self.values = QuantizedArray(weight.values,  # [I // rows_per_stored_row, O]
                                      out_sharding=(rows, columns), eager_sharding=False)
-        self.scales = QuantizedArray(weight.scales,  # [O] or [C, O] float32
-                                     out_sharding=(rows, columns) if grouped else (columns,),
-                                     eager_sharding=False)
+        self.scales = None if weight.scales is None else QuantizedArray(
+            weight.scales,  # [O] or [C, O] float32
+            out_sharding=(rows, columns) if grouped else (columns,), eager_sharding=False)
         self.zeros = None if weight.zeros is None else QuantizedArray(
             weight.zeros, out_sharding=(rows, columns), eager_sharding=False)  # [C, O]
+        self.positions = None if weight.positions is None else QuantizedArray(
+            weight.positions, out_sharding=(rows, columns), eager_sharding=False)  # [I // 8, O]
         if input_permutation is not None and input_permutation.shape != weight.shape[:1]:
             raise ValueError(f"input_permutation of shape {input_permutation.shape} does not "
                              f"fit the {weight.shape[0]} input features of the weight")
@@ -104,9 +108,10 @@ class QuantizedLinear(nnx.Module):
     @property
     def weight(self) -> QuantizedWeight:
         """The layer's `QuantizedWeight` (a pytree; traced arrays inside jit)."""
-        zeros = None if self.zeros is None else self.zeros[...]
-        return QuantizedWeight(self.format, self.values[...], self.scales[...], zeros,
-                               self.group_size, self.bits)
+        scales, zeros, positions = (None if array is None else array[...]
+                                    for array in (self.scales, self.zeros, self.positions))
+        return QuantizedWeight(self.format, self.values[...], scales, zeros, self.group_size,
+                               self.bits, positions)
 
     def __call__(self, x: jax.Array, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
         """`[..., I]` activations to `[..., *output_shape]` (the `LinearParam` call).
@@ -138,9 +143,9 @@ class QuantizedLinear(nnx.Module):
         return jnp.zeros_like(matrix).at[self.input_permutation[...]].set(matrix)  # [I, O]
 
     def nbytes(self) -> int:
-        """Bytes of values, scales, zero points and input permutation."""
-        arrays = [self.values[...], self.scales[...]]
-        for optional in (self.zeros, self.input_permutation):
+        """Bytes of values, scales, zero points, positions and input permutation."""
+        arrays = [self.values[...]]
+        for optional in (self.scales, self.zeros, self.positions, self.input_permutation):
             if optional is not None:
                 arrays.append(optional[...])
         return sum(array.size * array.dtype.itemsize for array in arrays)
@@ -154,13 +159,20 @@ def _sharded_matmul(matmul: Callable[[jax.Array, QuantizedWeight], jax.Array], x
     if rows is not None and columns is not None:
         raise ValueError(f"a quantized weight split on both its inputs ({rows!r}) and "
                          f"outputs ({columns!r}) is not supported")
+    if rows is not None and get_format(weight.format).sparse_2_4:
+        # The compressed layout stores the two halves of I side by side (`sparse24.py`): a
+        # block of its rows is not one contiguous slice of the inputs.
+        raise ValueError(f"a {weight.format} weight cannot be split on its inputs "
+                         f"({rows!r}); keep input-split layers (o_proj, down_proj) in "
+                         f"another format under tensor parallelism")
     lead = (None,) * (x.ndim - 1)
-    grouped = weight.scales.ndim == 2
+    grouped = weight.scales is not None and weight.scales.ndim == 2
+    split = PartitionSpec(rows, columns)
     specs = QuantizedWeight(
-        weight.format, PartitionSpec(rows, columns),
-        PartitionSpec(rows, columns) if grouped else PartitionSpec(columns),
-        None if weight.zeros is None else PartitionSpec(rows, columns),
-        weight.group_size, weight.bits)
+        weight.format, split,
+        None if weight.scales is None else split if grouped else PartitionSpec(columns),
+        None if weight.zeros is None else split, weight.group_size, weight.bits,
+        None if weight.positions is None else split)
     if columns is not None:
         return jax.shard_map(matmul, in_specs=(PartitionSpec(), specs),
                              out_specs=PartitionSpec(*lead, columns),

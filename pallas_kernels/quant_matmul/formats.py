@@ -19,12 +19,18 @@ Built in:
     "int8_grouped"  int8 weights, one scale per group of rows (GGUF's Q8_0: 32 rows),
             symmetric; the int4 kernel's grouped path without the unpacking
     "w8a8"  int8 weights and per-token int8 activations, int32 accumulation
+    "sparse24", "sparse24_int8", "sparse24_int4"  2:4 semi-structured sparse weights stored
+            compressed (kept values plus 2-bit positions, `sparse24.py`): float values
+            (bf16, or f32 at bits=32), int8 values with per-output-channel scales, or int4
+            values with group-wise symmetric scales. Their quantizers take weights that are
+            already 2:4 sparse and refuse others (`sparse24.prune_2_4` prunes one)
 
 Unquantized weights are not an entry: they stay float parameters of the model
 (`jaxinfer.models.layers.LinearParam`), multiplied by XLA.
 
-Every format stores a `QuantizedWeight`: `values` (integers, possibly packed), `scales`,
-optional `zeros`, and the static `group_size` and `bits`.
+Every format stores a `QuantizedWeight`: `values` (integers, possibly packed), `scales`
+(None for the float sparse format), optional `zeros` and `positions` (sparse formats), and
+the static `group_size` and `bits`.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.quant_matmul import kernel, reference
+from pallas_kernels.quant_matmul import kernel, reference, sparse24, sparse24_kernel
 
 __all__ = ["QuantizedWeight", "WeightFormat", "get_format", "register_format",
            "registered_formats"]
@@ -53,21 +59,26 @@ class QuantizedWeight:
         values: The stored integers: int8 `[I, O]` for "int8" and "w8a8", uint8
             `[I // 2, O]` for "int4" (two values per byte); in general
             `[I // format.rows_per_stored_row, O]`.
-        scales: float32 `[O]` for per-channel formats, `[C, O]` for grouped.
+        scales: float32 `[O]` for per-channel formats, `[C, O]` for grouped; None for
+            formats without scales (float "sparse24").
         zeros: `[C, O]` zero points of an asymmetric grouped weight (int8, or float32 for
             "int4" offsets that are not whole steps), else None.
         group_size: Rows per scale group for grouped formats, else None.
         bits: Bit width of the values: the format's default when not given (8 for "int8"
             and "w8a8"; 4, 3 or 2 for "int4", whose narrower grids use fewer of the nibble's
-            levels, see `reference.int4_levels`; storage and kernel are the same).
+            levels, see `reference.int4_levels`; storage and kernel are the same; 16 or 32
+            for "sparse24", bf16 or f32 values).
+        positions: `[I // 8, O]` uint8 positions of the kept values of a 2:4 sparse weight
+            (`sparse24.py`), else None.
     """
 
     format: str
     values: jax.Array
-    scales: jax.Array
+    scales: jax.Array | None
     zeros: jax.Array | None = None
     group_size: int | None = None
     bits: int | None = None
+    positions: jax.Array | None = None
 
     def __post_init__(self):
         weight_format = get_format(self.format, "quantized weight format")
@@ -86,7 +97,8 @@ class QuantizedWeight:
         return rows * get_format(self.format).rows_per_stored_row, columns
 
 
-jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scales", "zeros"],
+jax.tree_util.register_dataclass(QuantizedWeight,
+                                 data_fields=["values", "scales", "zeros", "positions"],
                                  meta_fields=["format", "group_size", "bits"])
 
 # (x [T, I], weight, out_dtype or None for x's dtype) -> [T, O]
@@ -120,7 +132,9 @@ class WeightFormat:
             only.
         group_multiple: group_size must be a positive multiple of this (grouped formats).
         rows_per_stored_row: Input rows per row of `values` (2 when two values share a
-            byte along I).
+            byte along I, or when half the values of a 2:4 weight are kept).
+        sparse_2_4: The format holds 2:4 sparse weights only: `quantize` refuses a weight
+            with more than 2 non-zeros in any 4 consecutive input rows of a column.
         quantize: Round-to-nearest quantization of a float `[I, O]` weight.
         dequantize: The float32 `[I, O]` matrix a `QuantizedWeight` stands for.
         reference_matmul: `x @ weight`, the readable jnp reference (the XLA path).
@@ -140,6 +154,7 @@ class WeightFormat:
     zero_points: bool
     group_multiple: int = 1
     rows_per_stored_row: int = 1
+    sparse_2_4: bool = False
     quantize: Quantize
     dequantize: Callable[[QuantizedWeight], jax.Array]
     reference_matmul: ReferenceMatmul
@@ -362,3 +377,95 @@ register_format(WeightFormat(
     reference_matmul=_int8_grouped_reference, kernel_matmul=_int8_grouped_kernel,
     levels=_int8_levels, grid_parameters=_int8_grid_parameters,
     from_levels=_int8_grouped_from_levels))
+
+
+# --- 2:4 sparse, compressed: float, int8 per channel and int4 group-wise values --------------
+
+
+def _sparse24_quantize(w: jax.Array, bits: int, group_size: int | None,
+                       symmetric: bool) -> QuantizedWeight:
+    del group_size, symmetric  # per channel (no scales), symmetric: checked before
+    sparse24.check_2_4(w)
+    values, positions = sparse24.compress_float(
+        w, jnp.bfloat16 if bits == 16 else jnp.float32)  # [I // 2, O], [I // 8, O]
+    return QuantizedWeight("sparse24", values, None, bits=bits, positions=positions)
+
+
+def _sparse24_dequantize(weight: QuantizedWeight) -> jax.Array:
+    return sparse24.expand_float(weight.values, weight.positions)  # [I, O]
+
+
+def _sparse24_reference(x: jax.Array, weight: QuantizedWeight, out_dtype) -> jax.Array:
+    return sparse24.dense_matmul_reference(x, _sparse24_dequantize(weight), out_dtype)
+
+
+def _sparse24_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype, interpret) -> jax.Array:
+    return sparse24_kernel.sparse24_matmul(x, weight.values, weight.positions, kind="float",
+                                           out_dtype=out_dtype, interpret=interpret)
+
+
+def _sparse24_int8_quantize(w: jax.Array, bits: int, group_size: int | None,
+                            symmetric: bool) -> QuantizedWeight:
+    del bits, group_size, symmetric  # 8-bit, per channel, symmetric: checked before
+    sparse24.check_2_4(w)
+    values, scales, positions = sparse24.compress_int8(w)  # [I // 2, O], [O], [I // 8, O]
+    return QuantizedWeight("sparse24_int8", values, scales, positions=positions)
+
+
+def _sparse24_int8_dequantize(weight: QuantizedWeight) -> jax.Array:
+    return sparse24.expand_int8(weight.values, weight.scales, weight.positions)  # [I, O]
+
+
+def _sparse24_int8_reference(x: jax.Array, weight: QuantizedWeight, out_dtype) -> jax.Array:
+    return sparse24.dense_matmul_reference(x, _sparse24_int8_dequantize(weight), out_dtype)
+
+
+def _sparse24_int8_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype,
+                          interpret) -> jax.Array:
+    return sparse24_kernel.sparse24_matmul(x, weight.values, weight.positions, weight.scales,
+                                           kind="int8", out_dtype=out_dtype,
+                                           interpret=interpret)
+
+
+def _sparse24_int4_quantize(w: jax.Array, bits: int, group_size: int | None,
+                            symmetric: bool) -> QuantizedWeight:
+    del symmetric  # symmetric only: checked before
+    sparse24.check_2_4(w)
+    values, scales, positions = sparse24.compress_int4(
+        w, group_size, bits)  # [I // 4, O], [C, O], [I // 8, O]
+    return QuantizedWeight("sparse24_int4", values, scales, None, group_size, bits,
+                           positions=positions)
+
+
+def _sparse24_int4_dequantize(weight: QuantizedWeight) -> jax.Array:
+    return sparse24.expand_int4(weight.values, weight.scales, weight.positions,
+                                weight.group_size)  # [I, O]
+
+
+def _sparse24_int4_reference(x: jax.Array, weight: QuantizedWeight, out_dtype) -> jax.Array:
+    return sparse24.dense_matmul_reference(x, _sparse24_int4_dequantize(weight), out_dtype)
+
+
+def _sparse24_int4_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype,
+                          interpret) -> jax.Array:
+    return sparse24_kernel.sparse24_matmul(x, weight.values, weight.positions, weight.scales,
+                                           kind="int4", group_size=weight.group_size,
+                                           out_dtype=out_dtype, interpret=interpret)
+
+
+# GPTQ cannot target these (no `levels`): its rounding would have to keep the 2:4 mask.
+register_format(WeightFormat(
+    name="sparse24", bits=(16, 32), grouped=False, zero_points=False, rows_per_stored_row=2,
+    sparse_2_4=True, quantize=_sparse24_quantize, dequantize=_sparse24_dequantize,
+    reference_matmul=_sparse24_reference, kernel_matmul=_sparse24_kernel))
+
+register_format(WeightFormat(
+    name="sparse24_int8", bits=(8,), grouped=False, zero_points=False, rows_per_stored_row=2,
+    sparse_2_4=True, quantize=_sparse24_int8_quantize, dequantize=_sparse24_int8_dequantize,
+    reference_matmul=_sparse24_int8_reference, kernel_matmul=_sparse24_int8_kernel))
+
+register_format(WeightFormat(
+    name="sparse24_int4", bits=(4, 3, 2), grouped=True, zero_points=False,
+    group_multiple=sparse24.GROUP, rows_per_stored_row=4, sparse_2_4=True,
+    quantize=_sparse24_int4_quantize, dequantize=_sparse24_int4_dequantize,
+    reference_matmul=_sparse24_int4_reference, kernel_matmul=_sparse24_int4_kernel))
