@@ -15,7 +15,14 @@ from jaxinfer.config import get_preset
 from jaxinfer.model_loading import load_model
 from jaxinfer.models import create_model
 from jaxinfer.prune import PruningConfig, prune_model
-from jaxinfer.quant import linear_sites, save_quantized_model
+from jaxinfer.quant import (
+    QuantizationConfig,
+    QuantizationRule,
+    WeightScheme,
+    linear_sites,
+    quantize_model,
+    save_quantized_model,
+)
 from jaxinfer.quant.calibration import INPUT_SITE, collect_block_inputs
 from jaxinfer.quant.linear import QuantizedLinear
 from tests.tiny_hf import PROMPTS, hf_logits, relative_error, save_hf_model
@@ -117,3 +124,18 @@ def test_joint_sparse_quantized_checkpoint_restores_with_its_zeros(tmp_path, tin
         assert np.all(zeros >= 2), site.path
     ids = jnp.asarray(WINDOWS[:2])
     np.testing.assert_allclose(restored(ids)[0], pruned(ids)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_a_2_4_result_compresses_into_the_sparse24_format_unchanged(tiny_model, method):
+    pruned = prune_model(tiny_model, PruningConfig.for_method(method, pattern=(2, 4)), WINDOWS,
+                         progress=False)
+    compressed = quantize_model(pruned, QuantizationConfig(method="rtn", rules=(
+        QuantizationRule(r"lm_head$", None),
+        QuantizationRule(r".", WeightScheme(format="sparse24", bits=32)))))
+    for site, source in zip(linear_sites(compressed), linear_sites(pruned), strict=True):
+        if site.path != "lm_head":
+            assert site.layer.format == "sparse24"
+            np.testing.assert_array_equal(site.layer.dequantized(), source.float_matrix())
+    ids = jnp.asarray(WINDOWS[:2])
+    np.testing.assert_allclose(compressed(ids)[0], pruned(ids)[0], rtol=1e-5, atol=1e-5)
