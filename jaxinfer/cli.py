@@ -365,19 +365,24 @@ def _calibration_windows(model: str, calib: str, window: int, max_tokens: int) -
 
 def _add_prune(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "prune", help="write a pruned checkpoint (magnitude, Wanda or SparseGPT)",
+        "prune", help="write a pruned checkpoint (magnitude, Wanda, SparseGPT; structured)",
         description="Prune the blocks' linear weights in one shot, layer by layer on "
                     "calibration text, and write a checkpoint that --model, LLM(model=DIR) "
                     "and jaxinfer serve load directly: a float checkpoint with zeros, or with "
                     "--bits a quantized one (joint SparseGPT + quantization). The LM head and "
-                    "the embedding stay dense.")
+                    "the embedding stay dense. With --structured, whole KV groups (with their "
+                    "query heads), MLP channels and layers are removed instead, by their "
+                    "importance on the calibration text: a smaller dense model.")
     parser.add_argument("--model", required=True,
                         help="HF checkpoint directory, jaxinfer checkpoint or builtin:demo")
-    parser.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt"), required=True,
-                        help="|W|, |W| times the input norm, or SparseGPT (survivors updated)")
-    # One target. (Structured pruning, --structured heads=..,mlp=..,layers=.., is another
-    # kind of target and would join this group.)
+    parser.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt"), default=None,
+                        help="|W|, |W| times the input norm, or SparseGPT (survivors updated); "
+                             "needed with --sparsity or --pattern")
+    # One target: a sparsity or N:M pattern (masks), or structures to remove.
     target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--structured", metavar="SPEC",
+                        help="remove structures, e.g. heads=0.25,mlp=0.3,layers=2: fractions "
+                             "of KV groups and MLP channels per layer, and whole layers")
     target.add_argument("--sparsity", type=float,
                         help="fraction of every output's input weights zeroed, in [0, 1)")
     target.add_argument("--pattern", metavar="N:M",
@@ -394,6 +399,9 @@ def _add_prune(subparsers: argparse._SubParsersAction) -> None:
                         help="input rows per scale with --bits 4, 3, 2 (default 128)")
     parser.add_argument("--damping", type=float, default=0.01,
                         help="SparseGPT damping, a fraction of the mean Hessian diagonal")
+    parser.add_argument("--importance", choices=("activation", "taylor"), default="activation",
+                        help="--structured: activation norms and block influence (Minitron), "
+                             "or |w * dL/dw| per structure")
     parser.add_argument("--calib", metavar="FILE", required=True, help="calibration text")
     parser.add_argument("--num-windows", type=int, default=64,
                         help="calibration sequences (of --window tokens) used at most")
@@ -411,7 +419,11 @@ def _run_prune(args: argparse.Namespace) -> int:
     from jaxinfer.prune import PruningConfig, parse_pattern, prune_model
     from jaxinfer.quant.checkpoint import save_quantized_model
 
+    if args.structured is not None:
+        return _run_structured_prune(args)
     try:
+        if args.method is None:
+            raise CommandError("--sparsity and --pattern need --method")
         if args.bits is not None and args.method != "sparsegpt":
             raise CommandError("--bits quantizes in SparseGPT's pass: use --method sparsegpt")
         config = PruningConfig.for_method(
@@ -437,6 +449,30 @@ def _run_prune(args: argparse.Namespace) -> int:
     quantized = "" if args.bits is None else f" + {args.bits}-bit"
     print(f"wrote {args.method} {target}{' (OWL)' if args.owl else ''}{quantized} "
           f"checkpoint to {out}")
+    return 0
+
+
+def _run_structured_prune(args: argparse.Namespace) -> int:
+    from checkpoints import save_hf_checkpoint
+    from jaxinfer.memory_plan import parameter_count
+    from jaxinfer.model_loading import load_model, resolve_model_path
+    from jaxinfer.prune.structured import structured_prune
+
+    if args.method is not None or args.bits is not None or args.owl:
+        raise CommandError("--structured takes none of --method, --bits, --owl")
+    try:
+        windows = _calibration_windows(args.model, args.calib, args.window,
+                                       args.num_windows * args.window)
+        model = load_model(args.model)
+        pruned = structured_prune(model, args.structured, windows, importance=args.importance)
+        source = resolve_model_path(args.model)
+        out = save_hf_checkpoint(pruned, args.out,
+                                 tokenizer_directory=source if source.is_dir() else None)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        raise CommandError(str(error)) from None
+    before, after = parameter_count(model.config), parameter_count(pruned.config)
+    print(f"wrote structured ({args.structured}, {args.importance} importance) checkpoint to "
+          f"{out}: {after:,} parameters, {after / before:.1%} of {before:,}")
     return 0
 
 

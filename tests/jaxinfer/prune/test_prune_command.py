@@ -79,10 +79,27 @@ def test_prune_command_joint_sparsegpt_int4_writes_a_quantized_checkpoint(tmp_pa
     assert len(_generate(out)) == 8
 
 
+def test_prune_command_structured_writes_a_smaller_dense_model(tmp_path, texts, capsys):
+    calib, _ = texts
+    out = tmp_path / "demo-structured"
+    assert jaxinfer_main(["prune", "--model", "builtin:demo", "--structured",
+                          "heads=0.25,mlp=0.25,layers=1", "--calib", str(calib),
+                          "--num-windows", "4", "--window", "64", "--out", str(out)]) == 0
+    assert "wrote structured (heads=0.25,mlp=0.25,layers=1" in capsys.readouterr().out
+    dense, pruned = load_model("builtin:demo").config, load_model(out).config
+    assert pruned.num_layers == dense.num_layers - 1
+    assert pruned.num_kv_heads == dense.num_kv_heads * 3 // 4
+    assert pruned.intermediate_size == dense.intermediate_size * 3 // 4
+    assert len(_generate(out)) == 8
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--method", "wanda", "--sparsity", "0.5", "--bits", "4"], "--method sparsegpt"),
     (["--method", "wanda", "--pattern", "2-4"], "N:M"),
     (["--method", "wanda", "--sparsity", "1.5"], "must be in [0, 1)"),
+    (["--sparsity", "0.5"], "need --method"),
+    (["--structured", "heads=0.25", "--method", "wanda"], "--structured takes none"),
+    (["--structured", "heads=2"], "heads"),
 ])
 def test_prune_command_refuses_bad_targets(tmp_path, texts, capsys, arguments, message):
     calib, _ = texts
