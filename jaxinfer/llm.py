@@ -24,6 +24,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from checkpoints.gguf_io import shared_gguf_files
 from jaxinfer.engine.auto_config import auto_engine_options
 from jaxinfer.engine.core import Prompt
 from jaxinfer.engine.factory import load_engine
@@ -116,9 +117,13 @@ class LLM:
                                                                  engine_options)
         self.model_name = str(model)
         overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
-        engine_options = auto_engine_options(load_model_config(model, **overrides),
-                                             engine_options)
-        self.engine = load_engine(model, tokenizer=tokenizer, dtype=dtype, **engine_options)
+        # The config (read here and in load_engine), tokenizer and weights of a GGUF file
+        # all come from one parse of its metadata.
+        with shared_gguf_files():
+            engine_options = auto_engine_options(load_model_config(model, **overrides),
+                                                 engine_options)
+            self.engine = load_engine(model, tokenizer=tokenizer, dtype=dtype,
+                                      **engine_options)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
         if warm_up:

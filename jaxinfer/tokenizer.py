@@ -591,10 +591,10 @@ def _load_gguf_tokenizer(path: Path, add_bos_token: bool | None,
     """
     # Imported here: reading GGUF brings in the checkpoint code (and jax), which text-only
     # users of this module need not load.
-    from checkpoints.gguf_io import GGUFFile
+    from checkpoints.gguf_io import open_gguf
     from jaxinfer.gguf_tokenizer import gguf_tokenizer_backend, gguf_tokenizer_settings
 
-    metadata = GGUFFile(path).metadata
+    metadata = open_gguf(path).metadata
     if "tokenizer.ggml.tokens" not in metadata:
         raise FileNotFoundError(f"{path}: this GGUF file holds no tokenizer "
                                 "(no tokenizer.ggml.tokens)")

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from checkpoints.gguf_io import shared_gguf_files
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.core import Engine
 from jaxinfer.engine.data_parallel import DataParallelEngine
@@ -98,13 +99,15 @@ def load_engine(model: str | os.PathLike[str], *,
         raise ValueError("give config or engine options, not both")
     config = config or EngineConfig.from_options(**engine_options)
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
-    config.parallel.check_model(load_model_config(model, **overrides))
-    meshes = replica_meshes(config.parallel)
-    loaded_tokenizer = load_tokenizer_of(model, tokenizer)
-    if meshes is None or jax.process_count() == 1:
-        network = load_model(model, mesh=None if meshes is None else meshes[0], **overrides)
-        return build_engine(network, config, loaded_tokenizer, step_channel=step_channel)
-    models = [load_model(model, mesh=mesh, **overrides) for mesh in meshes]
+    with shared_gguf_files():  # a GGUF file's metadata is parsed once for all four reads
+        config.parallel.check_model(load_model_config(model, **overrides))
+        meshes = replica_meshes(config.parallel)
+        loaded_tokenizer = load_tokenizer_of(model, tokenizer)
+        if meshes is None or jax.process_count() == 1:
+            network = load_model(model, mesh=None if meshes is None else meshes[0],
+                                 **overrides)
+            return build_engine(network, config, loaded_tokenizer, step_channel=step_channel)
+        models = [load_model(model, mesh=mesh, **overrides) for mesh in meshes]
     return _replicated(config, loaded_tokenizer, models, meshes, step_channel)
 
 

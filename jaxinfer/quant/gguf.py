@@ -37,11 +37,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from checkpoints.gguf_io import (
-    GGUFFile,
     GGUFMapping,
     GGUFTensor,
     TensorType,
     gguf_tensor_mappings,
+    open_gguf,
     read_gguf_config,
 )
 from jaxinfer.config import ModelConfig
@@ -181,7 +181,7 @@ def load_gguf_model(
         ConfigError, GGUFFormatError: As `checkpoints.gguf_io.read_gguf_config` and
             `gguf_tensor_mappings`.
     """
-    file = GGUFFile(path)
+    file = open_gguf(path)
     config = read_gguf_config(file, **config_overrides)
     mappings = gguf_tensor_mappings(config, file)
     abstract = abstract_gguf_model(config, mappings, implementation=implementation)
