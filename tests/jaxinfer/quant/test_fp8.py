@@ -32,6 +32,7 @@ from jaxinfer.quant import (
     save_quantized_model,
 )
 from jaxinfer.quant.checkpoint import read_quantization_config
+from jaxinfer.sharding import make_mesh
 
 FP8 = QuantizationConfig.for_method("rtn", weight_format="fp8")
 
@@ -101,9 +102,28 @@ def test_fp8_model_stores_one_byte_per_weight_plus_a_scale_per_column(tiny):
     assert stored == expected and bf16 == 2 * weights
 
 
-def test_checkpoint_restores_exactly_and_serves_the_reference_tokens(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def saved(tiny, tmp_path_factory):
     _, quantized = tiny
-    directory = save_quantized_model(quantized, FP8, tmp_path / "fp8")
+    return save_quantized_model(quantized, FP8, tmp_path_factory.mktemp("q") / "fp8")
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, 512, size=length).tolist() for length in (3, 11, 30)]
+
+
+def _served_tokens(directory, **engine) -> list[list[int]]:
+    llm = LLM(directory, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              bucket_growth=4, **engine)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in _prompts()],
+                           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def test_checkpoint_restores_exactly_and_serves_the_reference_tokens(tiny, saved):
+    _, quantized = tiny
+    directory = saved
     assert read_quantization_config(directory) == FP8
     restored = restore_quantized_model(directory)
     for before, after in zip(jax.tree.leaves(nnx.state(quantized)),
@@ -113,14 +133,25 @@ def test_checkpoint_restores_exactly_and_serves_the_reference_tokens(tiny, tmp_p
         np.testing.assert_array_equal(np.asarray(before).view(np.uint8),
                                       np.asarray(after).view(np.uint8))
 
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 512, size=length).tolist() for length in (3, 11, 30)]
-    expected = generate(quantized, prompts, max_new_tokens=5, eos_token_ids=())
-    llm = LLM(directory, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-              bucket_growth=4)
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    assert [output.outputs[0].token_ids for output in outputs] == expected
+    expected = generate(quantized, _prompts(), max_new_tokens=5, eos_token_ids=())
+    assert _served_tokens(directory) == expected
+
+
+# 15 s alone; the splitting itself is format-blind, test_checkpoint covers it by default.
+@pytest.mark.slow
+def test_fp8_checkpoint_splits_over_a_tensor_parallel_mesh(tiny, saved):
+    """The e4m3 values split like int8 ones (q on its outputs, o on its inputs, per-channel
+    scales with the outputs), and the TP=2 engine serves the reference path's tokens."""
+    _, quantized = tiny
+    loaded = load_model(saved, mesh=make_mesh({"model": 2}, devices=jax.devices()[:2]))
+    q_proj, o_proj = loaded.layers[0].attention.q_proj, loaded.layers[0].attention.o_proj
+    assert q_proj.values[...].addressable_shards[0].data.shape == (64, 32)  # [I, O / 2]
+    assert q_proj.scales[...].addressable_shards[0].data.shape == (32,)  # [O / 2]
+    assert o_proj.values[...].addressable_shards[0].data.shape == (32, 64)  # [I / 2, O]
+    assert o_proj.scales[...].addressable_shards[0].data.shape == (64,)  # [O], whole
+    assert q_proj.values[...].dtype == jnp.float8_e4m3fn
+    expected = generate(quantized, _prompts(), max_new_tokens=5, eos_token_ids=())
+    assert _served_tokens(saved, tensor_parallel_size=2) == expected
 
 
 def test_quantize_format_fp8_and_eval_ppl_on_the_demo_model(tmp_path, capsys):
