@@ -17,7 +17,7 @@ appends a report section (command, machine, date, numbers). See `jaxinfer.bench`
 `jaxinfer serve`, take `--config FILE`: a TOML or YAML file of their options by dest name
 (`max_num_seqs = 64`); flags on the command line win over it (`add_config_argument`).
 
-    jaxinfer quantize --model M --method rtn|gptq|smoothquant --bits 8|4|3
+    jaxinfer quantize --model M --method rtn|gptq|smoothquant --bits 8|4|3 [--format F]
                       [--group-size G] [--asymmetric] [--calib FILE] --out DIR
     jaxinfer prune --model M --method magnitude|wanda|sparsegpt (--sparsity 0.5 | --pattern 2:4)
                    [--owl] [--bits 4 --group-size 128] --calib FILE [--num-windows N]
@@ -299,6 +299,10 @@ def _add_quantize(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bits", type=int, choices=(8, 4, 3), default=8,
                         help="8: int8 per output channel (W8A8 for smoothquant); 4 or 3: "
                              "group-wise in packed nibbles")
+    # Not `choices=`: the format registry imports JAX, which building the parser does not.
+    parser.add_argument("--format", dest="weight_format", default=None,
+                        help="a registered weight format instead of the one --bits picks, "
+                             "e.g. fp8 (e4m3 values, a scale per output channel)")
     parser.add_argument("--group-size", type=int, default=None,
                         help="input rows per scale for 4 and 3 bits (default 128)")
     parser.add_argument("--asymmetric", action="store_true",
@@ -328,7 +332,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
     try:
         config = QuantizationConfig.for_method(
             args.method, bits=args.bits, group_size=args.group_size,
-            symmetric=not args.asymmetric, smoothquant_alpha=args.alpha,
+            symmetric=not args.asymmetric, weight_format=args.weight_format,
+            smoothquant_alpha=args.alpha,
             gptq_damping=args.damping, gptq_act_order=not args.no_act_order)
         windows = None
         if args.method != "rtn":
@@ -344,7 +349,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
                                    tokenizer_directory=source if source.is_dir() else None)
     except (ValueError, FileNotFoundError, KeyError) as error:
         raise CommandError(str(error)) from None
-    print(f"wrote {args.method} {args.bits}-bit checkpoint to {out}")
+    described = args.weight_format or f"{args.bits}-bit"
+    print(f"wrote {args.method} {described} checkpoint to {out}")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Each case describes one call of a public op by sizes only and compiles it, through
 `pallas_kernels.aot.compile_for`, with the op forced to its Pallas kernel. `MATRIX` is the
-whole table, 78 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
+whole table, 80 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
 `aot.TOPOLOGIES`), and so does `make tpu-check`, in CI.
 
 Ragged paged attention. The dimensions are KV dtype (bf16, int8), batch (decode-only, mixed
@@ -18,17 +18,17 @@ per page). The sizes: 64 sequences of up to 512 tokens, a pool of 16384 tokens; 
 tokens, mixed 256. KV heads 1 and 2 stand for a
 model's few KV heads split over tensor parallelism (Llama-3-8B at TP 8 holds one per chip).
 
-Quantized matmul. Every registered weight format: int8 per channel, W8A8, int4 symmetric
-and with zero points at group sizes 16, 32, 64, 96, 128, 256 and I (one group over all 4096
-rows: per-channel int4), int4 with float32 zero points and int8 with group-wise scales at
-group size 32 (GGUF's Q4_1 and Q8_0), compressed 2:4 sparse weights (bf16 values, int8
-per channel, int4 at group sizes 32 and 128), at M = 1 (decode) and M = 256, on a [4096, 14336]
-weight (Llama's MLP; 4608 rows for the group of 96, which must divide I). The kernel takes
-any even group that divides I, in blocks holding whole groups in whole 128-lane tiles or
+Quantized matmul. Every registered weight format: int8 per channel, W8A8, int4 symmetric and
+with zero points at group sizes 16, 32, 64, 96, 128, 256 and I (one group over all 4096 rows:
+per-channel int4), int4 with float32 zero points and int8 with group-wise scales at group size
+32 (GGUF's Q4_1 and Q8_0), fp8 (e4m3) per channel, compressed 2:4 sparse weights (bf16 values,
+int8 per channel, int4 at group sizes 32 and 128), at M = 1 (decode) and M = 256, on a [4096,
+14336] weight (Llama's MLP; 4608 rows for the group of 96, which must divide I). The kernel
+takes any even group that divides I, in blocks holding whole groups in whole 128-lane tiles or
 lying inside one group; the public op refuses, before compiling, the groups that would force
-blocks of more than `quant_matmul.kernel.MAX_INT4_BLOCK_K` rows (a CPU test checks that).
-The int4 storage also holds 3- and 2-bit grids; the kernel takes no bit width (only the
-stored levels differ), so they compile to the same program and are not separate cases.
+blocks of more than `quant_matmul.kernel.MAX_INT4_BLOCK_K` rows (a CPU test checks that). The
+int4 storage also holds 3- and 2-bit grids; the kernel takes no bit width (only the stored
+levels differ), so they compile to the same program and are not separate cases.
 
 MoE grouped matmul. bf16 and int8 expert weights, 8 experts (Mixtral-8x7B's widths: D 4096,
 F 14336), the gate/up shape `[rows, D] x [E, D, F]` and the down shape `[rows, F] x
@@ -174,7 +174,7 @@ class MatmulCase:
 
         x = jax.ShapeDtypeStruct((self.m, self.k), jnp.bfloat16)  # [T, I]
         if self.sparse:
-            return [x, *jax.tree.leaves(self._sparse_weight_shapes())]
+            return [x, *jax.tree.leaves(self._weight_shapes())]
         if self.group_size is not None:
             groups = self.k // self.group_size
             packed = self.weight_format == "int4"
@@ -186,8 +186,9 @@ class MatmulCase:
                 zeros_dtype = jnp.float32 if self.float_zeros else jnp.int8
                 arguments.append(jax.ShapeDtypeStruct((groups, self.n), zeros_dtype))  # [C, O]
             return arguments
-        return [x, jax.ShapeDtypeStruct((self.k, self.n), jnp.int8),  # [I, O]
-                jax.ShapeDtypeStruct((self.n,), jnp.float32)]  # [O]
+        # Per channel: values (int8, or e4m3 for "fp8") and scales, as the quantizer makes them.
+        weight = self._weight_shapes()
+        return [x, weight.values, weight.scales]  # [I, O], [O]
 
     @property
     def sparse(self) -> bool:
@@ -196,9 +197,9 @@ class MatmulCase:
 
         return get_format(self.weight_format).sparse_2_4
 
-    def _sparse_weight_shapes(self):
-        """The shapes of a compressed 2:4 `[I, O]` weight, from its quantizer (traced: the
-        2:4 check needs values and is skipped)."""
+    def _weight_shapes(self):
+        """The shapes and dtypes of the `[I, O]` weight, from its quantizer (traced: a 2:4
+        format's check needs values and is skipped)."""
         import jax.numpy as jnp
 
         from pallas_kernels.quant_matmul import quantize_weight
@@ -210,7 +211,7 @@ class MatmulCase:
     def compile(self, topology: str) -> AotResult:
         """Compiles the public op (forced to the Pallas kernel) for `topology`."""
         if self.sparse:
-            structure = jax.tree.structure(self._sparse_weight_shapes())
+            structure = jax.tree.structure(self._weight_shapes())
             return compile_for(topology, _sparse_matmul, self.arguments(),
                                static_kwargs=dict(structure=structure))
         return compile_for(topology, _matmul, self.arguments(), static_kwargs=dict(
@@ -249,6 +250,7 @@ _MATMUL_LAYOUTS: tuple[tuple[str, int | None, int, bool, bool], ...] = (
       for group_size in (16, 32, 64, 96, 128, 256, 4096) for symmetric in (True, False)),
     ("int4", 32, 4096, False, True),
     ("int8_grouped", 32, 4096, True, False),
+    ("fp8", None, 4096, True, False),
     ("sparse24", None, 4096, True, False),
     ("sparse24_int8", None, 4096, True, False),
     *(("sparse24_int4", group_size, 4096, True, False) for group_size in (32, 128)),

@@ -36,7 +36,8 @@ class WeightScheme:
     group sizes and zero points it holds.
 
     Attributes:
-        format: A registered format: "int8" (weight-only, per output channel), "int4"
+        format: A registered format: "int8" (weight-only, per output channel), "fp8"
+            (e4m3 values, per output channel), "int4"
             (group-wise, nibble-packed; also holds 3- and 2-bit grids), "w8a8" (int8
             weights and per-token int8 activations), the compressed 2:4 sparse "sparse24"
             (float values), "sparse24_int8" and "sparse24_int4" (which take weights already
@@ -107,7 +108,8 @@ class QuantizationConfig:
 
     @classmethod
     def for_method(cls, method: str, *, bits: int = 8, group_size: int | None = None,
-                   symmetric: bool = True, keep_float: Sequence[str] = KEEP_FLOAT_PATTERNS,
+                   symmetric: bool = True, weight_format: str | None = None,
+                   keep_float: Sequence[str] = KEEP_FLOAT_PATTERNS,
                    **options: Any) -> QuantizationConfig:
         """The usual config: every linear weight in one scheme except `keep_float` paths.
 
@@ -115,8 +117,11 @@ class QuantizationConfig:
             method: "rtn", "gptq" or "smoothquant" (which implies W8A8).
             bits: 8 gives per-channel int8 (W8A8 under SmoothQuant); 4, 3 or 2 give the
                 group-wise nibble format.
-            group_size: Rows per scale for bits < 8 (default 128).
+            group_size: Rows per scale for bits < 8, or for a grouped `weight_format`
+                (default 128).
             symmetric: False gives zero points (bits < 8 only).
+            weight_format: A registered format name ("fp8", ...) that replaces the choice by
+                `bits`; `bits` must then be one it holds.
             keep_float: Path patterns kept in floating point.
             **options: Further fields (`smoothquant_alpha`, `gptq_damping`, ...).
 
@@ -124,9 +129,15 @@ class QuantizationConfig:
             ValueError: A combination the formats cannot hold.
         """
         if method == "smoothquant":
-            if bits != 8:
-                raise ValueError(f"SmoothQuant is W8A8: bits must be 8, got {bits}")
+            if bits != 8 or weight_format not in (None, "w8a8"):
+                raise ValueError(f"SmoothQuant is W8A8: bits must be 8 and the format w8a8, "
+                                 f"got bits={bits}, format={weight_format}")
             scheme = WeightScheme(format="w8a8")
+        elif weight_format is not None:
+            grouped = get_format(weight_format).grouped
+            scheme = WeightScheme(format=weight_format, bits=bits,
+                                  group_size=group_size or 128 if grouped else group_size,
+                                  symmetric=symmetric)
         elif bits == 8:
             scheme = WeightScheme(format="int8", group_size=group_size, symmetric=symmetric)
         else:

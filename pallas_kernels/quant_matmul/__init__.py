@@ -3,8 +3,8 @@
 `quantize_weight` turns a float `[I, O]` weight into a `QuantizedWeight` once, at load
 time; `quantized_matmul(x, weight)` multiplies activations by it. Which formats exist, and
 how each is quantized, dequantized and multiplied, is the registry in `formats.py`
-(built in: "int8", "int4", "w8a8", "int8_grouped", and the 2:4 sparse "sparse24",
-"sparse24_int8", "sparse24_int4"); these ops look the weight's format up there.
+(built in: "int8", "int4", "w8a8", "int8_grouped", the 2:4 sparse "sparse24",
+"sparse24_int8", "sparse24_int4", and "fp8"); these ops look the weight's format up there.
 
 `implementation=` follows `pallas_kernels.dispatch`: "xla" and "reference" run the jnp
 reference, "pallas" the compiled TPU kernel, "interpret" the kernel in interpret mode.

@@ -24,6 +24,8 @@ Built in:
             (bf16, or f32 at bits=32), int8 values with per-output-channel scales, or int4
             values with group-wise symmetric scales. Their quantizers take weights that are
             already 2:4 sparse and refuse others (`sparse24.prune_2_4` prunes one)
+    "fp8"   float8_e4m3fn weights, per-output-channel float32 scales (max |w| / 448), float
+            activations (`fp8.py`, kernel `fp8_kernel.py`)
 
 Unquantized weights are not an entry: they stay float parameters of the model
 (`jaxinfer.models.layers.LinearParam`), multiplied by XLA.
@@ -42,7 +44,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.quant_matmul import kernel, reference, sparse24, sparse24_kernel
+from pallas_kernels.quant_matmul import (
+    fp8,
+    fp8_kernel,
+    kernel,
+    reference,
+    sparse24,
+    sparse24_kernel,
+)
 
 __all__ = ["QuantizedWeight", "WeightFormat", "get_format", "register_format",
            "registered_formats"]
@@ -56,8 +65,9 @@ class QuantizedWeight:
 
     Attributes:
         format: The name of a registered `WeightFormat` ("int8", "int4", "w8a8", ...).
-        values: The stored integers: int8 `[I, O]` for "int8" and "w8a8", uint8
-            `[I // 2, O]` for "int4" (two values per byte); in general
+        values: The stored values: int8 `[I, O]` for "int8" and "w8a8", uint8
+            `[I // 2, O]` for "int4" (two values per byte), float8_e4m3fn `[I, O]` for
+            "fp8"; in general
             `[I // format.rows_per_stored_row, O]`.
         scales: float32 `[O]` for per-channel formats, `[C, O]` for grouped; None for
             formats without scales (float "sparse24").
@@ -469,3 +479,33 @@ register_format(WeightFormat(
     group_multiple=sparse24.GROUP, rows_per_stored_row=4, sparse_2_4=True,
     quantize=_sparse24_int4_quantize, dequantize=_sparse24_int4_dequantize,
     reference_matmul=_sparse24_int4_reference, kernel_matmul=_sparse24_int4_kernel))
+
+
+# --- fp8 (e4m3) per output channel -----------------------------------------------------------
+
+
+def _fp8_quantize(w: jax.Array, bits: int, group_size: int | None,
+                  symmetric: bool) -> QuantizedWeight:
+    del bits, group_size, symmetric  # 8-bit, per channel, symmetric: checked before
+    values, scales = fp8.quantize_fp8_per_channel(w)  # [I, O] float8_e4m3fn, [O]
+    return QuantizedWeight("fp8", values, scales)
+
+
+def _fp8_dequantize(weight: QuantizedWeight) -> jax.Array:
+    return fp8.dequantize_fp8_per_channel(weight.values, weight.scales)  # [I, O]
+
+
+def _fp8_reference(x: jax.Array, weight: QuantizedWeight, out_dtype) -> jax.Array:
+    return fp8.fp8_matmul_reference(x, weight.values, weight.scales, out_dtype=out_dtype)
+
+
+def _fp8_kernel(x: jax.Array, weight: QuantizedWeight, out_dtype, interpret) -> jax.Array:
+    return fp8_kernel.fp8_matmul(x, weight.values, weight.scales, out_dtype=out_dtype,
+                                 interpret=interpret)
+
+
+# GPTQ cannot target it (no `levels`): e4m3 is a floating-point grid, not an integer one.
+register_format(WeightFormat(
+    name="fp8", bits=(8,), grouped=False, zero_points=False,
+    quantize=_fp8_quantize, dequantize=_fp8_dequantize,
+    reference_matmul=_fp8_reference, kernel_matmul=_fp8_kernel))

@@ -1,6 +1,7 @@
 """The weight-format registry: every registered format, whatever its name, is checked the same
 way: its kernel matmul (interpret mode) equals its reference matmul, its quantizer lands
-within half a step of the float weight, and its integer levels pack and unpack exactly. A
+within half a step of the float weight (of an integer grid times the scale, or of a scaled
+floating-point grid), and its integer levels pack and unpack exactly. A
 format that holds only 2:4 sparse weights is given one."""
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ def test_quantize_lands_within_half_a_step(name, bits, symmetric):
     rows = get_format(name).group_rows(K, weight.group_size)
     scales = jnp.broadcast_to(jnp.reshape(weight.scales, (-1, 1, N)),
                               (K // rows, rows, N)).reshape(K, N)  # [K, N] per element
+    if jnp.issubdtype(weight.values.dtype, jnp.floating):
+        # A scaled floating-point grid (fp8): half a unit in the last place of the scaled
+        # value, or half the smallest subnormal below the normal range.
+        info = jnp.finfo(weight.values.dtype)
+        half_step = (jnp.abs(w) / scales * 2.0 ** -(info.nmant + 1)
+                     + float(info.smallest_subnormal) / 2)  # [K, N], in scaled units
+        assert bool(jnp.all(jnp.abs(dequantized - w) <= scales * half_step * (1 + 1e-5)))
+        return
     # Clipping to the grid can exceed half a step only where the grid is asymmetric about
     # the range, so compare against one step there.
     slack = 0.5 if symmetric else 1.0

@@ -53,7 +53,7 @@ def test_json_round_trip():
     (dict(format="int8", bits=4), "8-bit"),
     (dict(format="int8", symmetric=False), "symmetric only"),
     (dict(format="int8", group_size=32), "one scale per output channel"),
-    (dict(format="fp8"), "unknown weight format"),
+    (dict(format="fp6"), "unknown weight format"),
 ])
 def test_bad_schemes_are_rejected(arguments, message):
     with pytest.raises(ValueError, match=message):
