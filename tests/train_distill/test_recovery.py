@@ -5,7 +5,9 @@ trains as a smaller dense model and exports a checkpoint that loads with its sma
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -31,6 +33,7 @@ from train_distill.sparsity import is_prunable
 from train_distill.train import run
 from train_distill.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[2]
 SEQUENCE_LENGTH = 32
 BATCH_SIZE = 8  # = the number of training windows: every step sees the same fixed batch
 
@@ -107,13 +110,22 @@ def test_pruned_entries_stay_zero_while_the_rest_recovers(data_directory, teache
     config = _config(data_directory, tmp_path, steps=8, learning_rate=1e-3,
                      model=load_model(student_directory).config,
                      distill=_distill(student_directory, teacher_directory))
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run,
+                                                                 checkpoint_every=4))
     trainer = Trainer(config, log=lambda line: None)
     # Every block linear is masked; norms, embeddings and the LM head never are.
     assert len(trainer.masks) == len(before)
     flat = jax.tree_util.tree_flatten_with_path(trainer.state.params)[0]
     masked = [path for path, _ in flat if jax.tree_util.keystr(path) in trainer.masks]
     assert all(is_prunable(path) for path in masked)
-    history = trainer.train()
+    history = trainer.train(steps=4)
+    trainer.close()
+    # A resumed run takes its masks from the student checkpoint again, not from the trained
+    # weights, and goes on holding them.
+    trainer = Trainer(config, log=lambda line: None)
+    assert trainer.state.step == 4
+    assert set(trainer.masks) == {jax.tree_util.keystr(path) for path in masked}
+    history += trainer.train()
     after = _block_linears(trainer.model())
     trainer.close()
 
@@ -197,3 +209,11 @@ ce_weight = 0.0
     path.write_text(path.read_text() + '\n[model]\npreset = "tiny"\n')
     with pytest.raises(ValueError, match="leave \\[model\\] out"):
         load_train_config(path)
+
+
+def test_shipped_recovery_config_takes_the_students_config():
+    # The file names a `jaxinfer prune` output; any checkpoint stands in for it here.
+    config = load_train_config(ROOT / "train_distill" / "configs" / "demo_recover.toml",
+                               ["distill.student_checkpoint=builtin:demo-draft"])
+    assert config.model == load_model("builtin:demo-draft").config
+    assert config.distill.keep_sparsity and config.distill.teacher == "builtin:demo"
