@@ -1,6 +1,7 @@
 """Recovery distillation of pruned students: a Wanda-pruned (2:4 or 50%) student distilled from
 its dense teacher keeps every pruned entry exactly zero while its live weights learn and the KD
-loss falls; without `keep_sparsity` the pruned entries revive; a structurally pruned student
+loss falls (also across a resume, and under Muon's dense updates); without `keep_sparsity` the
+pruned entries revive; a structurally pruned student
 trains as a smaller dense model and exports a checkpoint that loads with its smaller config."""
 
 from __future__ import annotations
@@ -158,6 +159,26 @@ def test_without_keep_sparsity_pruned_entries_revive(data_directory, teacher_dir
     for path, initial in before.items():
         revived = after[path][initial == 0] != 0
         assert revived.mean() > 0.5, path
+
+
+def test_muon_updates_cannot_revive_pruned_entries(data_directory, teacher_directory,
+                                                    pruned_student, tmp_path):
+    # Muon orthogonalizes the whole masked gradient matrix into a dense update, so only the
+    # re-masking after the update keeps the pruned entries at zero.
+    _, student_directory = pruned_student
+    before = _block_linears(load_model(student_directory))
+    config = dataclasses.replace(
+        _config(data_directory, tmp_path, steps=2, learning_rate=1e-3,
+                model=load_model(student_directory).config,
+                distill=_distill(student_directory, teacher_directory)),
+        optimizer=OptimizerConfig(name="osp", learning_rate=1e-3, warmup_steps=1))
+    trainer = Trainer(config, log=lambda line: None)
+    trainer.train()
+    after = _block_linears(trainer.model())
+    trainer.close()
+    for path, initial in before.items():
+        assert np.all(after[path][initial == 0] == 0.0), path
+        assert np.mean(after[path][initial != 0] != initial[initial != 0]) > 0.9, path
 
 
 def test_structurally_pruned_student_trains_and_exports_its_smaller_config(
