@@ -1,8 +1,8 @@
 """Recovery distillation of pruned students: a Wanda-pruned (2:4 or 50%) student distilled from
 its dense teacher keeps every pruned entry exactly zero while its live weights learn and the KD
 loss falls (also across a resume, and under Muon's dense updates); without `keep_sparsity` the
-pruned entries revive; a structurally pruned student
-trains as a smaller dense model and exports a checkpoint that loads with its smaller config."""
+pruned entries revive; a structurally pruned student trains as a smaller dense model and
+exports a checkpoint that loads with its smaller config."""
 
 from __future__ import annotations
 
