@@ -5,7 +5,8 @@
 
 A file has the sections [model], [data], [optimizer], [run] and optionally [mesh] and
 [distill]. The [model] section names a preset (`preset = "tiny"`) and/or sets ModelConfig fields
-directly.
+directly; a run that starts from `[distill] student_checkpoint` takes the checkpoint's config
+instead and has no [model].
 Overrides are `section.key=value`, parsed as TOML values (strings may go unquoted).
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxinfer.config import ModelConfig, get_preset
+from jaxinfer.model_loading import load_model_config
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,13 +89,22 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillConfig:
-    """Knowledge distillation from a frozen teacher (empty teacher: plain training)."""
+    """Knowledge distillation from a frozen teacher (empty teacher: plain training).
+
+    `student_checkpoint` starts the student from a saved model (e.g. a `jaxinfer prune`
+    output) instead of a random initialization; its config is the student's, so [model]
+    is left out. With `keep_sparsity` (the default) the exact zeros of its block linear
+    weights are held at zero by every optimizer step (`train_distill.sparsity`); a dense
+    or structurally pruned checkpoint has no such zeros and trains unconstrained.
+    """
 
     teacher: str = ""
     kind: str = "forward_kl"  # forward_kl, reverse_kl or jsd
     temperature: float = 1.0
     ce_weight: float = 0.5
     beta: float = 0.5
+    student_checkpoint: str = ""
+    keep_sparsity: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,15 +169,22 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
         raise ValueError(f"unknown config section(s) {unknown}; known: model, "
                          f"{', '.join(_SECTIONS)}")
     model_fields = dict(raw.get("model", {}))
+    student_checkpoint = raw.get("distill", {}).get("student_checkpoint", "")
     preset = model_fields.pop("preset", None)
-    if "rope_scaling" in model_fields:
+    if student_checkpoint:
+        if model_fields or preset is not None:
+            raise ValueError("[distill] student_checkpoint sets the student's config; leave "
+                             "[model] out")
+        model = load_model_config(student_checkpoint)
+    elif "rope_scaling" in model_fields:
         raise ValueError("[model] rope_scaling: set it through a preset")
-    if preset is not None:
+    elif preset is not None:
         model = get_preset(preset).replace(**model_fields)
     elif model_fields:
         model = ModelConfig(**model_fields)
     else:
-        raise ValueError("[model] needs a preset or the ModelConfig fields")
+        raise ValueError("[model] needs a preset or the ModelConfig fields (or [distill] "
+                         "student_checkpoint)")
     sections = {name: cls(**_coerce(name, cls, dict(raw.get(name, {}))))
                 for name, cls in _SECTIONS.items()}
     return TrainConfig(model=model, **sections)

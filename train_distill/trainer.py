@@ -13,6 +13,10 @@ updates of an uninterrupted one. Arrays are restored straight onto the shardings
 *current* mesh, so a run saved on one mesh shape resumes on another (same losses up to
 reduction order). In a multi-process run (`jax.distributed`) every process runs this same
 code on its shard of the global mesh; only process 0 logs and writes the run's JSON files.
+
+The student starts from a random initialization or, with `[distill] student_checkpoint`, from
+a saved model such as a `jaxinfer prune` output; the exact zeros of a pruned student's block
+linears are then held at zero by every step (`train_distill.sparsity`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from jaxinfer.sharding import LogicalRules, activate, get_layout, make_mesh, par
 from train_distill.config import MeshConfig, OptimizerConfig, TrainConfig
 from train_distill.data import LoaderState, PackedLoader, pack
 from train_distill.losses import cross_entropy, distillation_loss
+from train_distill.sparsity import Masks, apply_masks, mask_summary, sparsity_masks
 
 
 def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -197,14 +202,28 @@ class Trainer:
                 raise ValueError(f"teacher vocab {teacher.config.vocab_size} != student vocab "
                                  f"{config.model.vocab_size}: they must share a tokenizer")
             self.teacher_graphdef, self.teacher_params = nnx.split(teacher, nnx.Param)
+        initial_params = self._load_student() if config.distill.student_checkpoint else None
+        # Read from the student checkpoint on a resume too: the trained weights' zeros are
+        # no record of the mask, the pruned checkpoint's are.
+        self.masks: Masks = {}
+        if initial_params is not None and config.distill.keep_sparsity:
+            self.masks = sparsity_masks(initial_params)
+            if self.masks:
+                pruned, total = mask_summary(self.masks)
+                self.log(f"keeping {pruned} pruned weights at zero ({pruned / total:.1%} of "
+                         f"{len(self.masks)} masked linear weights)")
         self.manager = ocp.CheckpointManager(
             (self.out / "checkpoints").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
         if self.manager.latest_step() is not None:
             self._restore(self.manager.latest_step())
         else:
-            _, params = nnx.split(create_model(config.model, seed=config.run.seed,
-                                               mesh=self.mesh, layout=self.rules), nnx.Param)
+            if initial_params is not None:
+                params = initial_params
+            else:
+                _, params = nnx.split(create_model(config.model, seed=config.run.seed,
+                                                   mesh=self.mesh, layout=self.rules),
+                                      nnx.Param)
             # Each buffer is created directly on its shards, as the parameters were.
             opt_state = jax.jit(self.optimizer.init,
                                 out_shardings=_shardings(self.abstract_opt_state))(params)
@@ -220,6 +239,21 @@ class Trainer:
         self._eval_step = jax.jit(self._evaluate_batch, out_shardings=replicated)
         if is_leader():
             (self.out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+
+    def _load_student(self) -> nnx.State:
+        """The parameters of `[distill] student_checkpoint`, on this run's shardings.
+
+        Raises:
+            ValueError: The checkpoint's config is not the run's `[model]` config.
+        """
+        path = self.config.distill.student_checkpoint
+        student = load_model(path, mesh=self.mesh, layout=self.layout)
+        if student.config != self.config.model:
+            raise ValueError(f"student checkpoint {path} has config {student.config}, not the "
+                             f"run's [model] {self.config.model}")
+        _, params = nnx.split(student, nnx.Param)
+        # The same placement the train step pins its outputs to, so it compiles once.
+        return jax.device_put(params, _shardings(self.abstract_params))
 
     # ---------------------------------------------------------------- jitted pieces
 
@@ -238,11 +272,15 @@ class Trainer:
                                  beta=distill.beta)
 
     def _step(self, params: nnx.State, opt_state: optax.OptState, batch: jax.Array,
-              teacher_params: nnx.State | None) -> tuple[nnx.State, optax.OptState, dict]:
+              teacher_params: nnx.State | None, masks: Masks
+              ) -> tuple[nnx.State, optax.OptState, dict]:
         (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
             params, batch, teacher_params)
+        # Pruned entries get no gradient (no momentum, no share of the clipping norm) and are
+        # re-zeroed after the update, which no optimizer can then revive (empty masks: no-op).
+        grads = apply_masks(grads, masks)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params = apply_masks(optax.apply_updates(params, updates), masks)
         return params, opt_state, {**metrics, "loss": loss,
                                    "grad_norm": optax.tree.norm(grads)}
 
@@ -290,7 +328,8 @@ class Trainer:
                 batch = self._place_batch(self.loader.next_batch())  # [B, T + 1]
                 with activate(self.mesh, self.rules):
                     params, opt_state, metrics = self._train_step(
-                        self.state.params, self.state.opt_state, batch, self.teacher_params)
+                        self.state.params, self.state.opt_state, batch, self.teacher_params,
+                        self.masks)
                 metrics = {key: float(value) for key, value in metrics.items()}
                 elapsed = time.perf_counter() - started
                 self.state = dataclasses.replace(
