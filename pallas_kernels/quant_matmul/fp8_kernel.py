@@ -1,7 +1,8 @@
 """Pallas TPU kernel for fp8 (e4m3) weights with per-output-channel scales (`fp8.py`).
 
-The grid and accumulation are the int8 kernel's (`kernel.py`): `(T' // block_m, O // block_n,
-I // block_k)`, the two output axes "parallel", I a reduction into a float32 VMEM scratch.
+The grid and accumulation are the int8 kernel's (`kernel.per_channel_call`): `(T' // block_m,
+O // block_n, I // block_k)`, the two output axes "parallel", I a reduction into a float32
+VMEM scratch; this module holds the tile's multiply.
 Each step reads a `[block_k, block_n]` tile of e4m3 values (one byte per weight, the HBM
 traffic the format exists to halve) and upcasts it in VMEM; the scale is constant along I,
 so it multiplies the accumulator once, on the last step.
@@ -22,10 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.quant_matmul import fp8, tuning
-
-_COMPILER_PARAMS = pltpu.CompilerParams(
-    dimension_semantics=("parallel", "parallel", "arbitrary"))
+from pallas_kernels.quant_matmul import fp8, kernel
 
 
 def _fp8_kernel(x_ref, values_ref, scales_ref, out_ref, accumulator_ref):
@@ -45,12 +43,6 @@ def _fp8_kernel(x_ref, values_ref, scales_ref, out_ref, accumulator_ref):
     @pl.when(k_step == pl.num_programs(2) - 1)
     def _write():
         out_ref[...] = (accumulator_ref[...] * scales_ref[...]).astype(out_ref.dtype)
-
-
-def _pad_rows(x: jax.Array, block_m: int) -> jax.Array:
-    """Pads the token axis of `[T, I]` x up to a multiple of `block_m` with zeros."""
-    padding = tuning.round_up(x.shape[0], block_m) - x.shape[0]
-    return jnp.pad(x, ((0, padding), (0, 0))) if padding else x
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "out_dtype",
@@ -92,28 +84,5 @@ def fp8_matmul(
     out_dtype = out_dtype or x.dtype
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         x = x.astype(jnp.float32)
-    m = x.shape[0]
-    defaults = tuning.default_block_sizes("fp8", m, k, n)
-    block_m, block_n, block_k = (given or default for given, default
-                                 in zip((block_m, block_n, block_k), defaults))
-    if k % block_k or n % block_n:
-        raise ValueError(f"fp8 matmul: block_k={block_k} must divide I={k} and "
-                         f"block_n={block_n} must divide O={n}")
-    x_padded = _pad_rows(x, block_m)  # [T', I]
-    m_padded = x_padded.shape[0]
-    out = pl.pallas_call(
-        _fp8_kernel,
-        out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype),
-        grid=(m_padded // block_m, n // block_n, k // block_k),
-        in_specs=[
-            pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((block_k, block_n), lambda i, j, kk: (kk, j)),
-            pl.BlockSpec((1, block_n), lambda i, j, kk: (0, j)),
-        ],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, kk: (i, j)),
-        scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
-        compiler_params=_COMPILER_PARAMS,
-        interpret=interpret,
-        name="fp8_matmul",
-    )(x_padded, values, scales.astype(jnp.float32).reshape(1, n))  # [T', O]
-    return out[:m]  # [T, O]
+    return kernel.per_channel_call(_fp8_kernel, "fp8", x, values, scales,
+                                   (block_m, block_n, block_k), out_dtype, interpret)

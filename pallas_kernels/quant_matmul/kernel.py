@@ -33,6 +33,7 @@ Every wrapper takes `interpret=`: False for the compiled kernel, or True /
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -135,13 +136,46 @@ def int8_matmul(
     """
     k, n = values.shape
     _check_inner_dimension("int8", x, k, n)
+    return per_channel_call(_int8_kernel, "int8", x, values, scales,
+                            (block_m, block_n, block_k), out_dtype or x.dtype, interpret)
+
+
+def per_channel_call(
+    kernel_body: Callable[..., None],
+    weight_format: str,
+    x: jax.Array,
+    values: jax.Array,
+    scales: jax.Array,
+    blocks: tuple[int | None, int | None, int | None],
+    out_dtype: jnp.dtype,
+    interpret: bool | pltpu.InterpretParams,
+) -> jax.Array:
+    """The `pallas_call` of a format with one scale per output column (int8, fp8): grid
+    `(T' // block_m, O // block_n, I // block_k)`, the output axes parallel, I reduced into a
+    float32 VMEM accumulator; `kernel_body(x_ref, values_ref, scales_ref, out_ref,
+    accumulator_ref)` multiplies one tile and scales the sum on the last I step.
+
+    Args:
+        kernel_body: The format's kernel.
+        weight_format: Its name (block-size tuning and error messages).
+        x: `[T, I]` activations, checked by the caller.
+        values: `[I, O]` stored weights.
+        scales: `[O]` float32 per-output-channel scales.
+        blocks: `(block_m, block_n, block_k)`; None ones come from `tuning.py`.
+        out_dtype: Result dtype.
+        interpret: `pallas_call`'s interpret argument.
+
+    Returns:
+        `[T, O]`.
+    """
+    k, n = values.shape
     m = x.shape[0]
-    block_m, block_n, block_k = _resolve_blocks("int8", m, k, n, (block_m, block_n, block_k))
+    block_m, block_n, block_k = _resolve_blocks(weight_format, m, k, n, blocks)
     x_padded = _pad_rows(x, block_m)  # [T', I]
     m_padded = x_padded.shape[0]
     out = pl.pallas_call(
-        _int8_kernel,
-        out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype or x.dtype),
+        kernel_body,
+        out_shape=jax.ShapeDtypeStruct((m_padded, n), out_dtype),
         grid=_grid(m_padded, n, k, block_m, block_n, block_k),
         in_specs=[
             pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
@@ -152,7 +186,7 @@ def int8_matmul(
         scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
-        name="int8_matmul",
+        name=f"{weight_format}_matmul",
     )(x_padded, values, scales.astype(jnp.float32).reshape(1, n))  # [T', O]
     return out[:m]  # [T, O]
 
