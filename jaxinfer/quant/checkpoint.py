@@ -15,13 +15,16 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from checkpoints import restore_model, save_model
 from checkpoints.orbax_io import read_config
-from jaxinfer.models import Transformer
+from jaxinfer.models import Transformer, model_shardings
 from jaxinfer.quant.config import QuantizationConfig
 from jaxinfer.quant.linear import quantize_model
 
@@ -90,3 +93,52 @@ def restore_quantized_model(directory: str | os.PathLike[str], *, mesh: Mesh | N
     (each quantized layer split like the float weight it replaced) or the default device."""
     return restore_model(directory, mesh=mesh, layout=layout,
                          abstract=abstract_quantized_model(directory))
+
+
+class ModelFiller:
+    """Fills an abstract model's arrays one at a time from host arrays, each put straight onto
+    its devices, so a checkpoint converted tensor by tensor (GGUF blocks, GPTQ / AWQ packs)
+    never holds a second whole copy of the model. Used by the loaders of foreign formats
+    (`jaxinfer.quant.gguf`, `jaxinfer.quant.pre_quantized_loading`).
+
+    Args:
+        abstract: The model's structure with abstract arrays (`nnx.eval_shape`), quantized
+            sites already `QuantizedLinear`.
+        mesh: Place each array on this mesh under `layout`; None: the default device.
+        layout: Sharding layout name or rules table.
+    """
+
+    def __init__(self, abstract: Transformer, mesh: Mesh | None,
+                 layout: str | tuple = "tensor_parallel") -> None:
+        self._graphdef, state = nnx.split(abstract)
+        self._variables = dict(nnx.to_flat_state(state))
+        self._shardings = ({} if mesh is None else dict(nnx.to_flat_state(
+            model_shardings(abstract.config, mesh, layout, model=abstract))))
+        self._loaded: dict[tuple[Any, ...], jax.Array] = {}
+
+    def __contains__(self, path: tuple[Any, ...]) -> bool:
+        """Whether `path` (a flat state key) is one of the model's arrays."""
+        return path in self._variables
+
+    def put(self, path: tuple[Any, ...], host: np.ndarray) -> None:
+        """Places one array; its shape and dtype must be the model's (a mismatch is a bug in
+        the converter, not in the file, which the caller checked)."""
+        wanted = self._variables[path].get_value()
+        if host.shape != wanted.shape or host.dtype != wanted.dtype:
+            raise AssertionError(f"{path}: converted to {host.dtype} {host.shape}, model "
+                                 f"wants {wanted.dtype} {wanted.shape}")
+        target = self._shardings[path].get_value() if self._shardings else None
+        self._loaded[path] = jax.device_put(np.ascontiguousarray(host), target)
+
+    def model(self) -> Transformer:
+        """The filled model.
+
+        Raises:
+            AssertionError: Some array was never put.
+        """
+        missing = sorted(set(self._variables) - set(self._loaded))
+        if missing:
+            raise AssertionError(f"arrays never filled: {missing}")
+        state = nnx.from_flat_state([(path, variable.replace(self._loaded[path]))
+                                     for path, variable in self._variables.items()])
+        return nnx.merge(self._graphdef, state)

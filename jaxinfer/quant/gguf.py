@@ -45,8 +45,9 @@ from checkpoints.gguf_io import (
     read_gguf_config,
 )
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import Transformer, model_shardings
+from jaxinfer.models import Transformer
 from jaxinfer.models.layers import dtype_of
+from jaxinfer.quant.checkpoint import ModelFiller
 from jaxinfer.quant.linear import linear_sites
 from pallas_kernels.quant_matmul import QuantizedWeight
 
@@ -184,37 +185,20 @@ def load_gguf_model(
     file = open_gguf(path)
     config = read_gguf_config(file, **config_overrides)
     mappings = gguf_tensor_mappings(config, file)
-    abstract = abstract_gguf_model(config, mappings, implementation=implementation)
-    graphdef, abstract_state = nnx.split(abstract)
-    variables = dict(nnx.to_flat_state(abstract_state))
-    shardings = (dict(nnx.to_flat_state(model_shardings(config, mesh, layout, model=abstract)))
-                 if mesh is not None else {})
+    filler = ModelFiller(abstract_gguf_model(config, mappings, implementation=implementation),
+                         mesh, layout)
     param_dtype = dtype_of(config.param_dtype)
-    loaded: dict[tuple[Any, ...], jax.Array] = {}
-
-    def place(key: tuple[Any, ...], host: np.ndarray) -> None:
-        expected = variables[key].get_value()
-        if host.shape != expected.shape or host.dtype != expected.dtype:  # ours: a bug
-            raise AssertionError(f"{key}: converted to {host.shape} {host.dtype}, model wants "
-                                 f"{expected.shape} {expected.dtype}")
-        target = shardings[key].get_value() if shardings else None
-        loaded[key] = jax.device_put(host, target)
-
     for mapping in mappings:
         key = mapping.param_path
-        if key in variables:  # a float parameter
-            place(key, np.ascontiguousarray(mapping.float_value().astype(param_dtype)))
+        if key in filler:  # a float parameter
+            filler.put(key, mapping.float_value().astype(param_dtype))
             continue
         weight = gguf_quantized_weight(_served_tensor(mapping))
         for field in ("values", "scales", "zeros"):
             array = getattr(weight, field)
             if array is not None:
-                place((*key, field), array)
-    if set(loaded) != set(variables):
-        raise AssertionError(f"unfilled variables: {sorted(set(variables) - set(loaded))}")
-    state = nnx.from_flat_state(
-        [(key, variable.replace(loaded[key])) for key, variable in variables.items()])
-    return nnx.merge(graphdef, state)
+                filler.put((*key, field), array)
+    return filler.model()
 
 
 def gguf_weight_bytes(model: Transformer) -> int:

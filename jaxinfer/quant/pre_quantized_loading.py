@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -27,8 +26,9 @@ from checkpoints.hf import CONFIG_FILE, CheckpointMismatchError, read_hf_config
 from checkpoints.hf_mapping import IGNORED_SUFFIXES, TensorMapping, tensor_mappings
 from checkpoints.safetensors_io import CheckpointFiles
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import Transformer, model_shardings
+from jaxinfer.models import Transformer
 from jaxinfer.models.layers import dtype_of
+from jaxinfer.quant.checkpoint import ModelFiller
 from jaxinfer.quant.linear import linear_sites
 from jaxinfer.quant.pre_quantized import (
     QUANTIZATION_CONFIG,
@@ -148,26 +148,12 @@ def load_pre_quantized_checkpoint(
     with CheckpointFiles(directory) as files:
         quantized = _quantized_modules(scheme, files, mappings, directory)
         layouts = {path: repacked_shapes(scheme, k, n) for path, (_, k, n) in quantized.items()}
-        abstract = _abstract_model(config, layouts)
-        graphdef, abstract_state = nnx.split(abstract)
-        variables = dict(nnx.to_flat_state(abstract_state))
-        sharding_of = ({} if mesh is None else dict(nnx.to_flat_state(
-            model_shardings(config, mesh, layout, model=abstract))))
+        filler = ModelFiller(_abstract_model(config, layouts), mesh, layout)
 
         def read(name: str) -> np.ndarray:
             if name not in files:
                 raise CheckpointMismatchError(f"{directory}: tensor {name!r} is missing")
             return files.read(name)
-
-        loaded: dict[tuple[Any, ...], jax.Array] = {}
-
-        def put(path: tuple[Any, ...], host: np.ndarray) -> None:
-            wanted = variables[path].get_value()
-            if host.shape != wanted.shape or host.dtype != wanted.dtype:  # ours: a bug
-                raise AssertionError(f"{path}: converted to {host.dtype} {host.shape}, model "
-                                     f"wants {wanted.dtype} {wanted.shape}")
-            target = sharding_of[path].get_value() if sharding_of else None
-            loaded[path] = jax.device_put(np.ascontiguousarray(host), target)
 
         consumed: set[str] = set()
         for mapping in mappings:
@@ -177,7 +163,7 @@ def load_pre_quantized_checkpoint(
                 repacked = read_repacked_weight(scheme, read, files.__contains__, prefix, k, n)
                 for field in ARRAY_FIELDS:
                     if getattr(repacked, field) is not None:
-                        put(mapping.param_path + (field,), getattr(repacked, field))
+                        filler.put(mapping.param_path + (field,), getattr(repacked, field))
                 consumed.update(module_tensor_names(scheme, prefix))
                 consumed.add(_zero_bias(read, files, prefix))
                 continue
@@ -189,14 +175,10 @@ def load_pre_quantized_checkpoint(
                         f"{directory}: tensor {name!r} has shape {files.shape(name)} in the "
                         f"checkpoint but the config implies {shape}")
             host = mapping.to_param([files.read(name) for name in mapping.hf_names])
-            put(mapping.param_path, host.astype(param_dtype))
+            filler.put(mapping.param_path, host.astype(param_dtype))
             consumed.update(mapping.hf_names)
         _check_unexpected(files, consumed, config, directory)
-    if set(loaded) != set(variables):
-        raise AssertionError(f"unloaded arrays: {sorted(set(variables) - set(loaded))}")
-    state = nnx.from_flat_state(
-        [(path, variable.replace(loaded[path])) for path, variable in variables.items()])
-    return nnx.merge(graphdef, state)
+    return filler.model()
 
 
 def _zero_bias(read: Any, files: CheckpointFiles, prefix: str) -> str:
