@@ -39,6 +39,7 @@ from jaxinfer.engine.limits import RequestLimits
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 KV_CACHE_DTYPES = (None, "int8")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 class SchedulerConfigError(ValueError):
@@ -74,6 +75,18 @@ class CacheConfig:
         cache_dtype: KV page dtype; None means the model's compute dtype.
         kv_cache_dtype: "int8" quantizes the KV cache (int8 pages, one float32 scale per
             token and KV head); None keeps `cache_dtype`.
+        kv_offload_bytes: Host memory for the host KV tier (`jaxinfer.engine.host.
+            host_block_pool`): prefix-cache blocks the device pool evicts are copied there and
+            copied back on a later prefix hit instead of being recomputed. 0 turns it off.
+        preemption_mode: What happens to a preempted request's KV pages. "recompute" (the
+            default) frees them; the request recomputes what is not found in the prefix
+            cache when it resumes (with the host tier on, its evicted full blocks still go
+            to host memory and are mostly found there). "swap" (needs the host tier) copies
+            its full blocks to host memory now and pins them there until it resumes, so it
+            never recomputes more than its partial last block, at the price of host slots
+            the prefix cache cannot use meanwhile. Recompute is the default because it
+            reserves nothing: under heavy preemption pinned swaps could crowd the host
+            tier's prefix cache out, and vLLM (v1) made the same choice.
     """
 
     page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
@@ -87,6 +100,14 @@ class CacheConfig:
                                      choices=("float32", "bfloat16")))
     kv_cache_dtype: str | None = dataclasses.field(
         default=None, metadata=_help("'int8' quantizes the KV cache", choices=("int8",)))
+    kv_offload_bytes: int = dataclasses.field(
+        default=0, metadata=_help("host memory (bytes) for KV blocks evicted from the device "
+                                  "pool, copied back on a prefix hit (0: off)"))
+    preemption_mode: str = dataclasses.field(
+        default="recompute", metadata=_help(
+            "a preempted request's pages: 'recompute' frees them, 'swap' copies them to the "
+            "host KV tier until it resumes (needs kv-offload-bytes)",
+            choices=PREEMPTION_MODES))
 
     def __post_init__(self) -> None:
         if not _positive_int(self.page_size):
@@ -101,6 +122,21 @@ class CacheConfig:
         if self.kv_cache_dtype is not None and self.cache_dtype is not None:
             raise ValueError(f"give cache_dtype ({self.cache_dtype!r}) or kv_cache_dtype "
                              f"({self.kv_cache_dtype!r}), not both")
+        if (not isinstance(self.kv_offload_bytes, int) or isinstance(self.kv_offload_bytes, bool)
+                or self.kv_offload_bytes < 0):
+            raise _scheduler_error("kv_offload_bytes", self.kv_offload_bytes,
+                                   "must be an integer >= 0 (0 turns the host tier off)")
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise _scheduler_error("kv_offload_bytes", self.kv_offload_bytes,
+                                   "the host KV tier keeps evicted prefix-cache blocks, so it "
+                                   "needs enable_prefix_caching")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise _scheduler_error("preemption_mode", self.preemption_mode,
+                                   f"must be one of {PREEMPTION_MODES}")
+        if self.preemption_mode == "swap" and not self.kv_offload_bytes:
+            raise _scheduler_error("preemption_mode", self.preemption_mode,
+                                   "'swap' copies pages to the host KV tier, which "
+                                   "kv_offload_bytes = 0 turns off")
 
     @property
     def page_dtype(self) -> str | None:

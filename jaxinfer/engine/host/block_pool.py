@@ -17,6 +17,10 @@ Every other block is in exactly one of three states:
 
 A hash maps to at most one block and a block holds at most one hash (`cache_block` refuses a
 second block for a hash that is already cached), so `lookup` is unambiguous.
+
+With `record_evictions` (a host KV tier is on), each eviction is also appended to `evicted` as
+`(block_id, hash)`, for the caller to copy the page to host memory before the step that reuses
+it writes there (`take_evicted` drains the list).
 """
 
 from __future__ import annotations
@@ -41,13 +45,15 @@ class BlockPool:
         num_lookups: `lookup` calls so far.
         num_lookup_hits: `lookup` calls that found a cached block.
         num_evictions: Cached blocks whose hash was dropped to make room for an allocation.
+        record_evictions: Whether evictions are listed for `take_evicted`.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_evictions: bool = False) -> None:
         """Creates a pool whose blocks are all free.
 
         Args:
             num_blocks: Total block ids, including the reserved null block 0; at least 2.
+            record_evictions: List each eviction's block and hash for `take_evicted`.
 
         Raises:
             ValueError: `num_blocks` is not an integer >= 2.
@@ -65,6 +71,8 @@ class BlockPool:
         self.num_lookups = 0
         self.num_lookup_hits = 0
         self.num_evictions = 0
+        self.record_evictions = record_evictions
+        self._evicted: list[tuple[int, BlockHash]] = []
 
     @property
     def capacity(self) -> int:
@@ -128,12 +136,22 @@ class BlockPool:
                 block_id = self._free.popleft()
             else:
                 block_id, _ = self._evictable.popitem(last=False)
-                del self._block_of_hash[self._hash_of_block[block_id]]
+                evicted_hash = self._hash_of_block[block_id]
+                del self._block_of_hash[evicted_hash]
                 self._hash_of_block[block_id] = None
                 self.num_evictions += 1
+                if self.record_evictions:
+                    self._evicted.append((block_id, evicted_hash))
             self._ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """Returns and forgets the `(block_id, hash)` evictions since the last call, in order
+        (always empty without `record_evictions`). The block ids are already reallocated: their
+        pages still hold the evicted keys and values until the next step writes them."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drops one reference to each block, in the order given.

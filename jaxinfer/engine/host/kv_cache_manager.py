@@ -23,6 +23,16 @@ Invariants:
   that the step that computes it has logits to sample the next token from.
 - Each table entry holds one reference on its block; `free` drops them, last block first, so the
   request's tail is evicted before its head.
+
+Host tier (a `HostBlockPool`, when `kv_offload_bytes` > 0): every cached block the device pool
+evicts while allocating is given a host slot under its hash and an offload `(block, slot)` is
+planned; on admission, after the device hit, the chain continues on the host
+(`get_host_hits`), and `allocate_slots` allocates fresh blocks for those host blocks and plans
+loads `(slot, block)`. Those tokens count as computed, and the blocks are hashed after the step
+like any computed block. `swap_out` gives a request being preempted host copies of its full
+computed blocks, pinned until it is readmitted or ends (`release_swapped`). The step's
+planned copies are collected with `take_transfers`; the device side must issue the offloads
+before the loads and both before the step (an evicted page may be a load's target).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from jaxinfer.engine.host.block_pool import BlockPool
+from jaxinfer.engine.host.host_block_pool import HostBlockPool, KVTransfers
 from jaxinfer.engine.host.request import Request
 
 
@@ -93,23 +104,46 @@ class KVCacheManager:
         block_pool: The pool the blocks come from.
         prefix_cache_queries: Known tokens of every request admitted with `allocate_slots`
             (counted at each admission, re-admissions after preemption included).
-        prefix_cache_hits: Of those, the tokens that came from the prefix cache.
+        prefix_cache_hits: Of those, the tokens that came from the device prefix cache.
+        host_pool: The host tier, or None.
+        host_hit_tokens: Of `prefix_cache_queries`, the tokens loaded from the host tier.
+        num_swapped_blocks: Blocks given host copies by `swap_out`.
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 host_pool: HostBlockPool | None = None) -> None:
         """Creates a manager over `num_blocks` blocks (block 0 reserved as the null block).
 
+        Args:
+            num_blocks: Device blocks, the null block included.
+            block_size: Token slots per block.
+            enable_prefix_caching: Cache and reuse full blocks.
+            host_pool: The host tier evicted blocks go to (needs prefix caching); None: off.
+
         Raises:
-            ValueError: `block_size` is not a positive integer or `num_blocks` < 2.
+            ValueError: `block_size` is not a positive integer, `num_blocks` < 2, or a host
+                pool without prefix caching.
         """
+        if host_pool is not None and not enable_prefix_caching:
+            raise ValueError("a host KV tier keeps evicted prefix-cache blocks; it needs "
+                             "enable_prefix_caching")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size = {block_size!r}: must be a positive integer")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, record_evictions=host_pool is not None)
+        self.host_pool = host_pool
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_hit_tokens = 0
+        self.num_swapped_blocks = 0
+        # The copies planned since the last `take_transfers`.
+        self._transfers = KVTransfers()
+        # Host slots each swapped-out request holds a pin on.
+        self._swapped: dict[str, list[int]] = {}
+        # Host slots of the loads planned since the last `take_transfers`, pinned till then.
+        self._load_pins: list[int] = []
         self._block_tables: dict[str, list[int]] = {}
         # Hash chain over each request's known full blocks, extended lazily.
         self._block_hashes: dict[str, list[BlockHash]] = {}
@@ -168,9 +202,35 @@ class KVCacheManager:
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
 
+    def get_host_hits(self, request: Request, num_device_blocks: int) -> list[int]:
+        """Continues a device prefix hit on the host tier.
+
+        Args:
+            request: A request being admitted (as for `get_computed_blocks`).
+            num_device_blocks: Blocks of its device hit; the host is looked up for the next
+                hashes of the chain, until the first miss.
+
+        Returns:
+            The host slots holding the next blocks, in order (empty without a host tier); like
+            the device hit, never the block of the last known token. Pass them to
+            `allocate_slots` before anything else reserves host slots.
+        """
+        if self.host_pool is None or not self.enable_prefix_caching:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._request_block_hashes(request, max_hit_blocks)
+        slots = []
+        for block_hash in hashes[num_device_blocks:max_hit_blocks]:
+            slot = self.host_pool.lookup(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
     def allocate_slots(self, request: TokenSequence, num_new_tokens: int,
                        new_computed_blocks: Sequence[int] = (),
-                       num_lookahead_tokens: int = 0) -> list[int] | None:
+                       num_lookahead_tokens: int = 0,
+                       host_hit_slots: Sequence[int] = ()) -> list[int] | None:
         """Makes room for `num_new_tokens` more tokens of the request, all or nothing.
 
         Args:
@@ -182,6 +242,9 @@ class KVCacheManager:
             num_lookahead_tokens: How many of the new tokens are speculative drafts, which
                 lie past the request's known tokens (`free_excess_blocks` gives back the
                 blocks of those that are rejected).
+            host_hit_slots: On admission only, the host-tier hit from `get_host_hits` (the
+                blocks right after `new_computed_blocks`): fresh blocks are allocated for them
+                and loads planned; their tokens count as already computed.
 
         Returns:
             The newly allocated block ids (possibly an empty list: test with `is None`), or
@@ -192,14 +255,16 @@ class KVCacheManager:
                 computed blocks are passed for a request that already holds blocks.
         """
         table = self._block_tables.get(request.request_id)
-        if new_computed_blocks and table is not None:
+        if (new_computed_blocks or host_hit_slots) and table is not None:
             raise ValueError(f"request {request.request_id!r} already holds blocks; computed "
                              "blocks are only accepted on admission")
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens = {num_new_tokens}: must be >= 0")
         num_held = len(table) if table else 0
         num_hit_tokens = len(new_computed_blocks) * self.block_size
-        num_total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_host_tokens = len(host_hit_slots) * self.block_size
+        num_total_tokens = (request.num_computed_tokens + num_hit_tokens + num_host_tokens
+                            + num_new_tokens)
         if num_total_tokens > request.num_tokens + num_lookahead_tokens:
             raise ValueError(f"request {request.request_id!r}: {num_total_tokens} tokens asked "
                              f"for, only {request.num_tokens} are known (plus "
@@ -219,13 +284,78 @@ class KVCacheManager:
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit_tokens
-        # Touch before allocating, so the allocation cannot evict the hit it is extending.
+                self.host_hit_tokens += num_host_tokens
+        # Touch before allocating, so the allocation cannot evict the hit it is extending;
+        # likewise the host hit is pinned until the step's copies are taken, or the host slots
+        # that this allocation's evictions reserve could reuse its slots.
         self.block_pool.touch(new_computed_blocks)
+        for slot in host_hit_slots:
+            self.host_pool.pin(slot)
+            self._load_pins.append(slot)
         table.extend(new_computed_blocks)
         self._num_handled_blocks[request.request_id] += len(new_computed_blocks)
         new_blocks = self.block_pool.allocate(num_new_blocks)
         table.extend(new_blocks)
+        # The host hit's blocks come first among the new ones (they follow the device hit);
+        # they are hashed by `cache_full_blocks` after the step, once loaded.
+        self._transfers.loads.extend(zip(host_hit_slots, new_blocks))
+        self._offload_evicted()
         return new_blocks
+
+    def swap_out(self, request: Request) -> int:
+        """Gives a running request's full computed blocks host copies before it is preempted,
+        pinned until `release_swapped`; call it before `free`.
+
+        Blocks whose hash the host already holds are pinned without a copy; the others get a
+        slot and a planned offload. It stops at the first block the host has no room for (the
+        rest is recomputed, as the partial last block always is).
+
+        Returns:
+            The blocks now held on the host for the request (0 without a host tier).
+        """
+        if self.host_pool is None:
+            return 0
+        table = self._block_tables.get(request.request_id, [])
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(table))
+        hashes = self._request_block_hashes(request, num_full)
+        pinned = self._swapped.setdefault(request.request_id, [])
+        num_before = len(pinned)
+        for block_id, block_hash in zip(table, hashes[:num_full]):
+            slot = self.host_pool.slot_of(block_hash)
+            if slot is None:
+                slot = self.host_pool.reserve(block_hash)
+                if slot is None:
+                    break
+                self._transfers.offloads.append((block_id, slot))
+            self.host_pool.pin(slot)
+            pinned.append(slot)
+        self.num_swapped_blocks += len(pinned) - num_before
+        return len(pinned) - num_before
+
+    def release_swapped(self, request_id: str) -> None:
+        """Drops the pins `swap_out` took for the request (on readmission or when it ends)."""
+        for slot in self._swapped.pop(request_id, ()):
+            self.host_pool.unpin(slot)
+
+    def take_transfers(self) -> KVTransfers:
+        """Returns and forgets the copies planned since the last call (see the module
+        docstring for the order they must be issued in)."""
+        self._offload_evicted()
+        for slot in self._load_pins:
+            self.host_pool.unpin(slot)  # the caller reads the loads before reserving again
+        self._load_pins = []
+        transfers, self._transfers = self._transfers, KVTransfers()
+        return transfers
+
+    def _offload_evicted(self) -> None:
+        """Gives each block the device pool evicted a host slot and plans its copy."""
+        if self.host_pool is None:
+            return
+        for block_id, block_hash in self.block_pool.take_evicted():
+            slot = self.host_pool.reserve(block_hash)
+            if slot is not None:
+                self._transfers.offloads.append((block_id, slot))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the request's full, computed blocks in the prefix cache.

@@ -12,6 +12,15 @@ are released, its `num_computed_tokens` reset to 0, and it goes to the front of 
 queue, keeping its sampled tokens, which are recomputed with its prompt when it is readmitted.
 This repeats until the request fits or is itself the one preempted.
 
+Host KV tier (a `HostBlockPool` given to the scheduler, `kv_offload_bytes` > 0): admission
+continues the device prefix hit on the host (`KVCacheManager.get_host_hits`); those tokens
+count as computed, and the copies back to the device are planned with the evicted blocks'
+copies to the host. With `preemption_mode = "swap"` a victim's full computed blocks are
+copied to the host and pinned there (`KVCacheManager.swap_out`) before its pages are freed,
+so on readmission the prefix lookup finds them. Each output carries the step's planned
+copies (`SchedulerOutput.kv_transfers`), which the engine must issue before running the
+step, also when the output schedules nothing (a step that only preempted may have swapped).
+
 Speculative decoding: `schedule(drafts)` takes the step's drafts (a `Draft` per request id,
 from the engine's proposer) and records them on its running requests
 (`Request.spec_token_ids`); a running request whose known tokens all fit in the step also gets
@@ -42,6 +51,7 @@ from typing import Any
 
 from jaxinfer.engine.config import CacheConfig, SchedulerConfig, SchedulerConfigError
 from jaxinfer.engine.host.draft import Draft
+from jaxinfer.engine.host.host_block_pool import HostBlockPool, KVTransfers
 from jaxinfer.engine.host.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.host.request import Request, RequestStatus
 
@@ -111,12 +121,15 @@ class SchedulerOutput:
         preempted_request_ids: Requests preempted in this step.
         finished_request_ids: Requests that finished or were aborted since the previous step,
             so that the runner can drop whatever it keeps per request.
+        kv_transfers: Copies between the device pool and the host tier to issue before the
+            step (empty without a host tier).
     """
 
     scheduled_requests: list[ScheduledRequest]
     num_scheduled_tokens: int
     preempted_request_ids: list[str]
     finished_request_ids: list[str]
+    kv_transfers: KVTransfers = dataclasses.field(default_factory=KVTransfers)
 
     @property
     def is_empty(self) -> bool:
@@ -163,12 +176,15 @@ class Scheduler:
         running: Admitted requests, oldest admission first.
     """
 
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig,
+                 host_pool: HostBlockPool | None = None) -> None:
         """Creates an idle scheduler with an empty pool.
 
         Args:
             config: The step's limits, `max_model_len` resolved.
             cache: The page pool, `num_pages` resolved (the null page included).
+            host_pool: The host KV tier (built by the engine from `cache.kv_offload_bytes`
+                and the pool's shapes), or None.
 
         Raises:
             SchedulerConfigError: Unresolved sizes, or a pool that cannot hold one
@@ -187,7 +203,8 @@ class Scheduler:
         self.config = config
         self.cache = cache
         self.kv_cache_manager = KVCacheManager(cache.num_pages, cache.page_size,
-                                               cache.enable_prefix_caching)
+                                               cache.enable_prefix_caching, host_pool)
+        self._swap = host_pool is not None and cache.preemption_mode == "swap"
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -319,9 +336,14 @@ class Scheduler:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = ([], 0) if request.skip_prefix_cache else (
                 manager.get_computed_blocks(request))
+            host_slots = [] if request.skip_prefix_cache else (
+                manager.get_host_hits(request, len(hit_blocks)))
+            num_hit_tokens += len(host_slots) * manager.block_size
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
-            if manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+            if manager.allocate_slots(request, num_new_tokens, hit_blocks,
+                                      host_hit_slots=host_slots) is None:
                 break
+            manager.release_swapped(request.request_id)  # its blocks are found again
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -338,6 +360,7 @@ class Scheduler:
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=[request.request_id for request in preempted],
             finished_request_ids=self._finished_since_last_step,
+            kv_transfers=manager.take_transfers(),
         )
         self._finished_since_last_step = []
         if scheduled:
@@ -475,7 +498,10 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        """Releases a running request's pages and puts it at the front of the waiting queue."""
+        """Releases a running request's pages (swapping its full blocks to the host tier
+        first in "swap" mode) and puts it at the front of the waiting queue."""
+        if self._swap:
+            self.kv_cache_manager.swap_out(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -497,4 +523,5 @@ class Scheduler:
         """Marks a request finished (already out of every queue) and releases its pages."""
         request.status = status
         self.kv_cache_manager.free(request)
+        self.kv_cache_manager.release_swapped(request.request_id)
         self._finished_since_last_step.append(request.request_id)

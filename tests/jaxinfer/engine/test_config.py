@@ -31,9 +31,12 @@ from jaxinfer.engine.config import (
 )
 from jaxinfer.engine.limits import RequestLimits
 
-# Every flat option set away from its default (and valid together).
+# Every flat option set away from its default (and valid together), except the host KV tier's,
+# which needs the prefix caching turned off here (tests/jaxinfer/engine/device/test_kv_offload.py
+# round-trips them).
 CHANGED = dict(page_size=8, num_pages=100, enable_prefix_caching=False, cache_dtype=None,
-               kv_cache_dtype="int8", max_num_batched_tokens=64, max_num_seqs=4,
+               kv_cache_dtype="int8", kv_offload_bytes=0, preemption_mode="recompute",
+               max_num_batched_tokens=64, max_num_seqs=4,
                max_model_len=256, tensor_parallel_size=2, data_parallel_size=3,
                expert_parallel_size=1, min_token_bucket=4, bucket_growth=4,
                enable_prompt_logprobs=False, compilation_cache="off",

@@ -24,7 +24,8 @@ from jaxinfer.engine.host.scheduler import Scheduler
 VOCAB = 97
 ENGINE_DIR = pathlib.Path(jaxinfer.engine.__file__).parent
 HOST_MODULES = ("__init__", "config", "errors", "limits", "host/__init__", "host/block_pool",
-                "host/draft", "host/kv_cache_manager", "host/request", "host/scheduler")
+                "host/draft", "host/host_block_pool", "host/kv_cache_manager", "host/request",
+                "host/scheduler")
 
 
 def next_token(context):
