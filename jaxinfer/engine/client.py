@@ -58,6 +58,19 @@ class EngineStats:
             tokens than `ITERATION_TOKEN_BUCKETS[i - 1]` and at most
             `ITERATION_TOKEN_BUCKETS[i]` (the last count: more than every bound).
         iteration_tokens_sum: Tokens run by all steps.
+        host_cache_queries: Blocks looked up in the host KV tier (`kv_offload_bytes`), each
+            past the end of a device prefix hit.
+        host_cache_hits: Of those, the blocks found (and copied back instead of recomputed).
+        host_cache_hit_tokens: Admitted prompt tokens loaded from the host tier (a part of
+            `prefix_cache_queries`, apart from `prefix_cache_hits`, the device's).
+        num_host_blocks: Blocks the host tier holds (0: off).
+        num_free_host_blocks: Of those, free or evictable ones (all of them when idle).
+        num_swapped_blocks: Blocks preemption swapped to the host tier.
+        kv_bytes_to_host: Bytes copied from the device pool to the host tier.
+        kv_bytes_to_device: Bytes copied back.
+        kv_copy_seconds: Engine-thread seconds spent issuing and collecting those copies.
+        kv_copy_blocked_seconds: Of those, seconds spent waiting for a copy to host that had
+            not finished while the step ran (the rest overlapped the step).
     """
 
     num_running: int
@@ -76,6 +89,27 @@ class EngineStats:
     accepted_per_position: tuple[int, ...] = ()
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    host_cache_queries: int = 0
+    host_cache_hits: int = 0
+    host_cache_hit_tokens: int = 0
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
+    num_swapped_blocks: int = 0
+    kv_bytes_to_host: int = 0
+    kv_bytes_to_device: int = 0
+    kv_copy_seconds: float = 0.0
+    kv_copy_blocked_seconds: float = 0.0
+
+    @property
+    def host_cache_hit_rate(self) -> float:
+        """Host-tier blocks found over blocks looked up there (0 before any lookup)."""
+        return self.host_cache_hits / self.host_cache_queries if self.host_cache_queries else 0.0
+
+    @property
+    def host_cache_token_hit_rate(self) -> float:
+        """Admitted prompt tokens loaded from the host tier, over all admitted prompt tokens."""
+        return (self.host_cache_hit_tokens / self.prefix_cache_queries
+                if self.prefix_cache_queries else 0.0)
 
     @property
     def spec(self) -> SpecStats:

@@ -54,6 +54,11 @@ acceptance and the measured cost of the step's token bucket and of the drafter
 their drafts are cut to the grant. The engine feeds them every verification's outcome and
 every step's wall times, and `warm_up` times each token bucket once to start the cost model.
 
+Host KV tier (`kv_offload_bytes` > 0, `jaxinfer.engine.device.kv_offload`): each step first
+collects the previous step's copies to host memory (so prefix lookups see them), then, after
+scheduling, issues the step's planned copies (evicted pages out, host hits back in) before
+the step runs.
+
 A request with `n > 1` becomes n scheduler requests ("ID#0", "ID#1", ...). With prefix caching
 on, the first one runs alone until its prompt is computed, and the others are admitted after
 it, so they find every full prompt block in the prefix cache and share those pages (reference
@@ -72,6 +77,7 @@ from jax.sharding import Mesh
 from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.engine.client import ITERATION_TOKEN_BUCKETS, EngineStats
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.device.kv_offload import KVOffloader
 from jaxinfer.engine.device.runner import (
     ModelRunner,
     RequestsFailedError,
@@ -173,7 +179,6 @@ class Engine:
         self.model = model
         self.model_config = model.config
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config.scheduler, config.cache)
         if step_channel is not None and config.speculative is not None and (
                 config.speculative.method == "draft_model"):
             # The drafter's steps run on process 0's devices only.
@@ -183,6 +188,16 @@ class Engine:
         self.compilation_cache = enable_compilation_cache(config.compile.compilation_cache)
         self.runner = ModelRunner(model, runner_config(config), mesh=mesh,
                                   channel=step_channel, channel_tag=channel_tag)
+        self.kv_offload: KVOffloader | None = None
+        if config.cache.kv_offload_bytes:
+            if step_channel is not None:
+                raise ValueError("kv_offload_bytes: the host KV tier is not supported across "
+                                 "several processes yet (the followers' pools would not get "
+                                 "the copies)")
+            self.kv_offload = KVOffloader(self.runner, config.cache.kv_offload_bytes)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache,
+            None if self.kv_offload is None else self.kv_offload.host_pool)
         self.speculative = config.speculative
         self.spec_stats = SpecStats()
         # Steps by the tokens they ran (`EngineStats.iteration_tokens`).
@@ -226,6 +241,8 @@ class Engine:
         speculation times each bucket once for the controller's cost model; returns seconds."""
         started = time.perf_counter()
         self.runner.warm_up()
+        if self.kv_offload is not None:
+            self.kv_offload.warm_up()
         if self.proposer is not None:
             self.proposer.warm_up()
         if self.spec_controller is not None:
@@ -240,7 +257,8 @@ class Engine:
     def compilations(self) -> int:
         """Programs compiled so far, the proposer's included (constant after `warm_up`)."""
         return self.runner.compilations + (
-            self.proposer.compilations if self.proposer is not None else 0)
+            self.proposer.compilations if self.proposer is not None else 0) + (
+            self.kv_offload.compilations if self.kv_offload is not None else 0)
 
     # ------------------------------------------------------------------ requests
 
@@ -345,10 +363,15 @@ class Engine:
         """
         started = time.perf_counter()
         self._gated = None
+        if self.kv_offload is not None:
+            self.kv_offload.collect()  # the previous step's evicted blocks become findable
         drafts = self._propose_drafts()
         proposed = time.perf_counter()
         scheduled = self.scheduler.schedule(drafts)
         self.num_preemptions += len(scheduled.preempted_request_ids)
+        if scheduled.kv_transfers:
+            # Before the step, which may overwrite evicted pages and reads the loaded ones.
+            self.kv_offload.issue(scheduled.kv_transfers)
         if scheduled.is_empty:
             return []
         self.output_processor.scheduled(
@@ -389,6 +412,10 @@ class Engine:
             for sample in self._deferred.pop(update.request_id, ()):
                 if self.output_processor.tracks(sample.request_id):
                     self.scheduler.add_request(sample)
+        if self.kv_offload is not None:
+            # Whatever has arrived is committed now, off the next step's path; once idle,
+            # everything (nothing would collect it otherwise).
+            self.kv_offload.collect(wait=not self.has_unfinished_requests())
         finished_at = time.perf_counter()
         self.seconds["propose"] += proposed - started
         self.seconds["schedule"] += executing - proposed
@@ -550,7 +577,24 @@ class Engine:
             num_unfinished_requests=self.num_unfinished_requests,
             accepted_per_position=tuple(self.spec_stats.accepted_per_position),
             iteration_tokens=tuple(self._iteration_tokens),
-            iteration_tokens_sum=self._iteration_tokens_sum)
+            iteration_tokens_sum=self._iteration_tokens_sum,
+            **self._host_tier_stats())
+
+    def _host_tier_stats(self) -> dict[str, int | float]:
+        """The host KV tier's `EngineStats` fields (none without it: they stay 0)."""
+        offload = self.kv_offload
+        if offload is None:
+            return {}
+        manager = self.scheduler.kv_cache_manager
+        host = offload.host_pool
+        return dict(host_cache_queries=host.num_lookups, host_cache_hits=host.num_hits,
+                    host_cache_hit_tokens=manager.host_hit_tokens,
+                    num_host_blocks=host.num_blocks, num_free_host_blocks=host.num_free_blocks,
+                    num_swapped_blocks=manager.num_swapped_blocks,
+                    kv_bytes_to_host=offload.bytes_to_host,
+                    kv_bytes_to_device=offload.bytes_to_device,
+                    kv_copy_seconds=offload.copy_seconds,
+                    kv_copy_blocked_seconds=offload.seconds["blocked"])
 
     @property
     def num_free_pages(self) -> int:

@@ -28,6 +28,12 @@ from jaxinfer.engine.input_processor import ProcessedRequest, Prompt
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 
+# The host KV tier's EngineStats counts, which add up over replicas.
+_HOST_TIER_TOTALS = ("host_cache_queries", "host_cache_hits", "host_cache_hit_tokens",
+                     "num_host_blocks", "num_free_host_blocks", "num_swapped_blocks",
+                     "kv_bytes_to_host", "kv_bytes_to_device", "kv_copy_seconds",
+                     "kv_copy_blocked_seconds")
+
 
 class DataParallelEngine:
     """`data_parallel_size` engine replicas with `Engine`'s request interface.
@@ -159,7 +165,8 @@ class DataParallelEngine:
             num_unfinished_requests=sum(part.num_unfinished_requests for part in parts),
             accepted_per_position=add_counts(*(part.accepted_per_position for part in parts)),
             iteration_tokens=add_counts(*(part.iteration_tokens for part in parts)),
-            iteration_tokens_sum=sum(part.iteration_tokens_sum for part in parts))
+            iteration_tokens_sum=sum(part.iteration_tokens_sum for part in parts),
+            **{name: sum(getattr(part, name) for part in parts) for name in _HOST_TIER_TOTALS})
 
     @property
     def num_free_pages(self) -> int:
