@@ -121,6 +121,26 @@ class ServingMetrics:
             "jaxinfer:prefix_cache_hit_rate", "Prompt tokens served by the prefix cache.")
         self.num_preemptions = gauge(
             "jaxinfer:num_preemptions", "Preemptions since the engine started.")
+        # The host KV tier (`kv_offload_bytes`); all 0 while it is off.
+        self.host_cache_hit_rate = gauge(
+            "jaxinfer:host_cache_hit_rate",
+            "Blocks found in the host KV tier over blocks looked up there (0 to 1).")
+        self.host_cache_token_hit_rate = gauge(
+            "jaxinfer:host_cache_token_hit_rate",
+            "Admitted prompt tokens loaded from the host KV tier (0 to 1).")
+        self.host_cache_hit_tokens = gauge(
+            "jaxinfer:host_cache_hit_tokens",
+            "Prompt tokens loaded from the host KV tier instead of recomputed.")
+        self.kv_offload_bytes_to_host = gauge(
+            "jaxinfer:kv_offload_bytes_to_host", "Bytes of KV blocks copied to host memory.")
+        self.kv_offload_bytes_to_device = gauge(
+            "jaxinfer:kv_offload_bytes_to_device", "Bytes of KV blocks copied back to devices.")
+        self.kv_offload_copy_seconds = gauge(
+            "jaxinfer:kv_offload_copy_seconds",
+            "Engine-thread seconds spent issuing and collecting host KV copies.")
+        self.kv_offload_blocked_seconds = gauge(
+            "jaxinfer:kv_offload_blocked_seconds",
+            "Of those, seconds waiting for a copy that had not overlapped the step.")
         self.spec_decode_num_drafts = gauge(
             "jaxinfer:spec_decode_num_drafts",
             "Request-steps that verified speculative drafts, since the engine started.")
@@ -186,6 +206,14 @@ class ServingMetrics:
                              (self.kv_cache_usage, stats.kv_cache_usage),
                              (self.prefix_cache_hit_rate, stats.prefix_cache_hit_rate),
                              (self.num_preemptions, stats.num_preemptions),
+                             (self.host_cache_hit_rate, stats.host_cache_hit_rate),
+                             (self.host_cache_token_hit_rate,
+                              stats.host_cache_token_hit_rate),
+                             (self.host_cache_hit_tokens, stats.host_cache_hit_tokens),
+                             (self.kv_offload_bytes_to_host, stats.kv_bytes_to_host),
+                             (self.kv_offload_bytes_to_device, stats.kv_bytes_to_device),
+                             (self.kv_offload_copy_seconds, stats.kv_copy_seconds),
+                             (self.kv_offload_blocked_seconds, stats.kv_copy_blocked_seconds),
                              (self.spec_decode_num_drafts, stats.num_spec_steps),
                              (self.spec_decode_num_draft_tokens, stats.num_draft_tokens),
                              (self.spec_decode_num_accepted_tokens, stats.num_accepted_tokens),

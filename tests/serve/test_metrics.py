@@ -171,6 +171,23 @@ def test_speculative_decoding_series():
     assert _value(text, "vllm:spec_decode_num_accepted_tokens_total") == 9
 
 
+def test_host_kv_tier_series():
+    stats = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                        prefix_cache_hit_rate=0.5, num_preemptions=0, num_steps=3,
+                        prefix_cache_queries=400, prefix_cache_hits=200,
+                        host_cache_queries=10, host_cache_hits=4, host_cache_hit_tokens=64,
+                        kv_bytes_to_host=4096, kv_bytes_to_device=2048, kv_copy_seconds=0.25,
+                        kv_copy_blocked_seconds=0.125)
+    text = ServingMetrics(lambda: stats, "demo").render().decode()
+    assert _value(text, "jaxinfer:host_cache_hit_rate") == 0.4
+    assert _value(text, "jaxinfer:host_cache_token_hit_rate") == 0.16
+    assert _value(text, "jaxinfer:host_cache_hit_tokens") == 64
+    assert _value(text, "jaxinfer:kv_offload_bytes_to_host") == 4096
+    assert _value(text, "jaxinfer:kv_offload_bytes_to_device") == 2048
+    assert _value(text, "jaxinfer:kv_offload_copy_seconds") == 0.25
+    assert _value(text, "jaxinfer:kv_offload_blocked_seconds") == 0.125
+
+
 def test_accepted_drafts_per_position_and_steps_by_tokens():
     spec = SpecStats()
     for drafted, accepted in ((3, 3), (3, 1), (2, 0), (3, 2)):
