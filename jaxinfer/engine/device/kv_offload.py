@@ -123,7 +123,8 @@ class KVOffloader:
             raise ValueError(f"kv_offload_bytes = {num_bytes} holds no KV block: one block "
                              f"(a page of every layer) takes {block_bytes} bytes on the host")
         self.host_pool = HostBlockPool(num_blocks, specs)
-        self.buckets = power_of_two_buckets(1, max(num_pages, num_blocks))
+        # A step moves at most a pool's worth of blocks each way (more is split anyway).
+        self.buckets = power_of_two_buckets(1, num_pages)
         self._gather = jax.jit(self._gather_blocks, out_shardings=self._gathered_shardings())
         pool_shardings = [leaf.sharding for leaf in leaves]
         self._scatter = jax.jit(self._scatter_blocks, donate_argnums=(1, 2),
@@ -199,14 +200,15 @@ class KVOffloader:
     def issue(self, transfers: KVTransfers) -> None:
         """Starts one step's copies: the offloads' gather and transfers to host, then the
         loads into the pool. Call it before running the step."""
-        if transfers.offloads:
-            started = time.perf_counter()
-            self._offload(transfers.offloads)
-            self.seconds["offload"] += time.perf_counter() - started
-        if transfers.loads:
-            started = time.perf_counter()
-            self._load(transfers.loads)
-            self.seconds["load"] += time.perf_counter() - started
+        largest = self.buckets[-1]
+        started = time.perf_counter()
+        for first in range(0, len(transfers.offloads), largest):
+            self._offload(transfers.offloads[first:first + largest])
+        loading = time.perf_counter()
+        for first in range(0, len(transfers.loads), largest):
+            self._load(transfers.loads[first:first + largest])
+        self.seconds["offload"] += loading - started
+        self.seconds["load"] += time.perf_counter() - loading
 
     def _padded_ids(self, block_ids: Sequence[int]) -> tuple[int, np.ndarray]:
         """The bucket for `block_ids` and the ids padded to it with the null page."""

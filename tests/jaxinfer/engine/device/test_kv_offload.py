@@ -122,6 +122,14 @@ def test_copy_programs_compile_once_per_bucket(model):
         offloader.issue(KVTransfers(loads=list(zip(slots, range(8, 8 + count)))))
     assert offloader.compilations == compiled
     assert offloader.num_ready + offloader.num_waited == 3
+    # More blocks than the largest bucket go in several batches.
+    blocks = list(range(1, NUM_PAGES)) + [1, 2, 3, 4, 5]
+    slots = [host.reserve(f"many-{index}".encode()) for index in range(len(blocks))]
+    offloader.issue(KVTransfers(offloads=list(zip(blocks, slots))))
+    offloader.collect()
+    pages = np.asarray(runner.pages)  # [L, P, Z, 2K, H]
+    assert host.buffers[0][slots].tobytes() == np.moveaxis(pages[:, blocks], 1, 0).tobytes()
+    assert offloader.compilations == compiled
     assert offloader.copy_seconds >= offloader.seconds["blocked"] >= 0.0
 
 
