@@ -15,8 +15,9 @@ Offload (device pool -> host), never on the step's critical path:
    returns; the step is dispatched right after it.
 2. `collect` (before the next schedule) writes the arrived bytes into the host slots and
    commits them, so they become visible to prefix lookups. `seconds["blocked"]` is the time it
-   had to wait for a transfer that had not finished while the step ran; `num_ready` and
-   `num_waited` count the transfers that had and had not arrived by then.
+   spent taking the host copies, which is waiting for transfers that had not finished while
+   the step ran (near 0 when they all overlapped it); `num_ready` and `num_waited` count the
+   batches whose gather had and had not finished by then.
 
 Load (host -> device pool), before the step that reads it: `issue` copies the slots out of the
 host buffers (fancy indexing copies, so the slots may be reused at once), puts each shard's
@@ -83,9 +84,10 @@ class KVOffloader:
         bytes_to_device: Bytes copied back.
         seconds: Engine-thread seconds spent on copies: "offload" issuing gathers and
             transfers, "load" issuing loads, "collect" writing arrived bytes into the host
-            buffers, and "blocked", within "collect", waiting for transfers still in flight.
-        num_ready: Offload transfers that had arrived when collected (fully overlapped).
-        num_waited: Offload transfers `collect` had to wait for.
+            buffers, and "blocked", within "collect", taking the host copies (waiting for
+            transfers still in flight).
+        num_ready: Offload batches whose gather had finished when collected.
+        num_waited: Offload batches `collect` found still running on the device.
     """
 
     def __init__(self, runner: ModelRunner, num_bytes: int) -> None:
@@ -252,10 +254,12 @@ class KVOffloader:
                 self.num_ready += 1
             else:
                 self.num_waited += 1
+            # Taking the host copies returns at once when the transfer overlapped the step;
+            # otherwise this is the time the engine waited for it (counted either way: a
+            # finished gather may still have its transfer to host in flight).
             waited = time.perf_counter()
             host = self._to_host(gathered, len(slots))
-            if not ready:
-                self.seconds["blocked"] += time.perf_counter() - waited
+            self.seconds["blocked"] += time.perf_counter() - waited
             self.host_pool.write(slots, host)
             self.host_pool.commit(slots)
             committed += len(slots)

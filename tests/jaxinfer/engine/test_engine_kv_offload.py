@@ -69,10 +69,11 @@ def test_evicted_prefixes_load_from_host_with_equal_outputs(model):
     assert _conversations(tiered) == expected
     assert tiered.compilations == compiled
     stats, plain_stats = tiered.stats(), plain.stats()
-    assert stats.host_cache_hits > 0 and stats.host_cache_hit_tokens == stats.host_cache_hits * 8
+    # Lookups repeat while the queue's head waits for pages; admitted hits are loaded once.
+    assert stats.host_cache_hits >= stats.host_cache_hit_tokens // 8 > 0
     assert stats.kv_bytes_to_host > 0
     block_bytes = tiered.kv_offload.host_pool.block_bytes
-    assert stats.kv_bytes_to_device == stats.host_cache_hits * block_bytes
+    assert stats.kv_bytes_to_device == stats.host_cache_hit_tokens // 8 * block_bytes
     assert stats.kv_copy_seconds > 0.0 and 0.0 < stats.host_cache_token_hit_rate < 1.0
     # The loaded tokens were not computed again.
     assert stats.iteration_tokens_sum == plain_stats.iteration_tokens_sum - (
