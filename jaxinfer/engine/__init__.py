@@ -6,6 +6,7 @@ imported from them directly.
 """
 
 from jaxinfer.engine.host.block_pool import NULL_BLOCK_ID, BlockPool, NoFreeBlocksError
+from jaxinfer.engine.host.host_block_pool import HostBlockPool, KVTransfers
 from jaxinfer.engine.host.kv_cache_manager import KVCacheManager, hash_block
 from jaxinfer.engine.host.request import Request, RequestStatus
 from jaxinfer.engine.host.scheduler import (
@@ -20,7 +21,9 @@ from jaxinfer.engine.host.scheduler import (
 __all__ = [
     "NULL_BLOCK_ID",
     "BlockPool",
+    "HostBlockPool",
     "KVCacheManager",
+    "KVTransfers",
     "NoFreeBlocksError",
     "Request",
     "RequestOutput",
