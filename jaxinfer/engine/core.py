@@ -341,6 +341,8 @@ class Engine:
             self.proposer.release(sample_ids)
         if self.spec_controller is not None:
             self.spec_controller.release(sample_ids)
+        if self.kv_offload is not None and not self.has_unfinished_requests():
+            self.kv_offload.collect()  # idle now: no next step would collect the copies
         return output
 
     def has_unfinished_requests(self) -> bool:

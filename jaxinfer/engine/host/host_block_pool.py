@@ -48,7 +48,8 @@ class HostBlockPool:
 
     def __init__(self, num_blocks: int, block_specs: Sequence[tuple[tuple[int, ...], np.dtype]]
                  ) -> None:
-        """Allocates every buffer up front (zeroed, so the memory is committed now).
+        """Allocates every buffer up front (`np.zeros`: the OS maps the pages as they are
+        first written, so an idle tier costs address space, not memory).
 
         Args:
             num_blocks: Slots; at least 1.
