@@ -101,8 +101,8 @@ class KVOffloader:
         leaves, self._treedef = jax.tree.flatten((runner.pages, runner.scales))
         num_pages = runner.config.num_pages
         specs: list[tuple[tuple[int, ...], np.dtype]] = []
-        # Per pool array: its gathered sharding for a bucket-independent shape, and the
-        # distinct shards (buffer index in the host pool, the slice of the block axes).
+        # Per pool array: the sharding of its gathered blocks, and its distinct shards as
+        # (the shard's (start, stop) per block axis, its buffer's index in the host pool).
         self._leaf_layouts: list[tuple[Sharding, list[tuple[ShardKey, int]]]] = []
         for leaf in leaves:
             if leaf.ndim < 2 or leaf.shape[1] != num_pages:
