@@ -169,6 +169,12 @@ def taylor_importance(model: Transformer, windows: np.ndarray, *,
 def next_token_loss(model: Transformer, token_ids: jax.Array) -> jax.Array:
     """Mean cross-entropy of each `[B, T]` window's tokens 1..T-1 given those before."""
     logits, _ = model(token_ids)  # [B, T, V]
+    return logits_next_token_loss(logits, token_ids)
+
+
+def logits_next_token_loss(logits: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Mean cross-entropy of `[B, T, V]` logits predicting each `[B, T]` window's tokens
+    1..T-1 (logits at t predict token t + 1)."""
     log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # [B, T-1, V]
     targets = token_ids[:, 1:, None]  # [B, T-1, 1]
     return -jnp.take_along_axis(log_probs, targets, axis=-1).mean()
