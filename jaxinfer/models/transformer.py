@@ -120,7 +120,10 @@ class DecoderBlock(nnx.Module):
         if isinstance(self.attention, HarpAttention):
             if cache is not None:
                 raise ValueError("a HARP block has no KV cache; it was given one")
-            if self.attention.alpha != 0.0:  # alpha = 0 drops the sub-block
+            # alpha = 0 drops the sub-block, except under activation hooks: calibration
+            # (GPTQ, Wanda, SparseGPT) captures every block's four linear-input sites, so
+            # the sub-block runs and adds exactly 0 * W_o W_v norm(x).
+            if self.attention.alpha != 0.0 or self.attention.activation_hooks is not None:
                 x = x + self.attention(self.input_norm(x))  # [B, T, D]
         else:
             attended, cache = self.attention(self.input_norm(x), positions, cache)  # [B, T, D]

@@ -111,3 +111,23 @@ def test_paged_perplexity_of_a_harp_model_equals_the_cache_free_one(model):
 def test_bad_requests_fail_with_a_message(model, call, message):
     with pytest.raises(ValueError, match=message):
         call(model)
+
+
+def test_a_harp_model_prunes_and_quantizes_with_calibration(model, windows):
+    """Wanda and GPTQ calibrate the HARP blocks' v/o too, an alpha-0 block included (it runs
+    under the capture hooks and adds exactly zero)."""
+    from jaxinfer.prune import PruningConfig, prune_model
+    from jaxinfer.quant.gptq import gptq_quantize_model
+
+    harp = to_harp(model, (0.0, 0.7))
+    pruned = prune_model(harp, PruningConfig.for_method("wanda", sparsity=0.5), windows,
+                         progress=False)
+    for layer in (2, 3):
+        for projection in ("v_proj", "o_proj"):
+            weight = np.asarray(getattr(pruned.layers[layer].attention, projection)[...])
+            assert np.mean(weight == 0) == 0.5
+    quantized = gptq_quantize_model(
+        harp, QuantizationConfig.for_method("gptq", bits=4, group_size=32), windows)
+    assert type(quantized.layers[2].attention.o_proj).__name__ == "QuantizedLinear"
+    ids = windows[:1]  # [1, T]
+    assert np.all(np.isfinite(quantized(ids)[0]))
