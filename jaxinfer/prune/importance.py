@@ -53,7 +53,8 @@ class StructureScores(NamedTuple):
 
 def check_prunable(model: Transformer) -> None:
     """Raises ValueError unless `model` is one structured pruning can score and slice: a
-    dense float model with its layers as a list (not the engine's stacked copy)."""
+    dense float model without HARP layers, with its layers as a list (not the engine's
+    stacked copy)."""
     config = model.config
     if config.is_moe:
         raise ValueError("structured pruning handles dense models only (this one is a "
@@ -61,6 +62,9 @@ def check_prunable(model: Transformer) -> None:
     if model.stacked_layers is not None:
         raise ValueError("structured pruning needs the model with unstacked layers, not the "
                          "engine's scanning copy")
+    if config.harp_alphas:
+        raise ValueError("structured pruning of a HARP model (its top layers have no q/k): "
+                         "prune structures first, then convert with HARP")
     for path, variable in nnx.to_flat_state(nnx.state(model)):
         value = variable.get_value()
         if not isinstance(value, jax.Array) or not jnp.issubdtype(value.dtype, jnp.floating):

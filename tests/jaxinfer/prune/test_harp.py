@@ -131,3 +131,10 @@ def test_a_harp_model_prunes_and_quantizes_with_calibration(model, windows):
     assert type(quantized.layers[2].attention.o_proj).__name__ == "QuantizedLinear"
     ids = windows[:1]  # [1, T]
     assert np.all(np.isfinite(quantized(ids)[0]))
+
+
+def test_structured_pruning_of_a_harp_model_says_to_do_it_first(model, windows):
+    from jaxinfer.prune.structured import structured_prune
+
+    with pytest.raises(ValueError, match="prune structures first, then convert with HARP"):
+        structured_prune(to_harp(model, (1.0,)), "heads=0.5", windows)
