@@ -1,7 +1,8 @@
 """The decoder-only transformer shared by reference generation, the engine and training.
 
 `Transformer(config, rngs=...)` builds the Llama-family model described by a `ModelConfig`
-(dense SwiGLU or Mixtral MoE blocks, tied or untied embeddings). `create_model` builds it
+(dense SwiGLU or Mixtral MoE blocks, tied or untied embeddings; with `harp_alphas`, HARP
+blocks on top whose attention has no q/k projections and no KV cache). `create_model` builds it
 directly onto a device mesh under a sharding layout. The forward pass takes token ids and
 their positions and, optionally, a contiguous KV cache (`KVCache`) or the engine's page pool
 (`PagedKVCache`) that it updates. `jaxinfer.models.scan.stack_layers` gives the copy of a

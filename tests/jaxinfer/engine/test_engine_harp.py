@@ -1,7 +1,8 @@
 """The engine serving a HARP model (top blocks without q/k projections or KV cache): greedy
 tokens equal reference generation with a float and an int8 page pool, on a scanned runner
-whose pool holds only the blocks below the HARP ones, with int8 weights, under tensor
-parallelism, and as the target of speculative decoding (prompt lookup and a draft model)."""
+whose pool holds only the blocks below the HARP ones (nothing compiled after warm-up), with
+int8 weights, under tensor parallelism, and as the target of speculative decoding (prompt
+lookup and a draft model)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,10 @@ def test_scanned_engine_equals_reference_and_pool_holds_the_cached_layers(model,
     assert state["stacked_layers"]["attention"]["q_proj"].get_value().shape[0] == 2
     assert sorted(state["layers"]) == [0, 1]  # the two HARP blocks, run after the scan
     assert "q_proj" not in state["layers"][0]["attention"]
+    engine.warm_up()
+    compiled = runner.compilations
     assert _run(engine, prompts) == expected
+    assert runner.compilations == compiled  # warm-up compiled every program the steps use
 
 
 def test_int8_pool_equals_reference_with_int8_rounding(model, prompts):
