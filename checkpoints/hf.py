@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from checkpoints.hf_mapping import IGNORED_SUFFIXES, TensorMapping, tensor_mappings
 from checkpoints.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFiles, write_safetensors
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import HARP_CONFIG_KEY, ModelConfig
 from jaxinfer.models import Transformer, abstract_model, model_shardings
 from jaxinfer.models.layers import dtype_of
 
@@ -57,6 +57,17 @@ def read_hf_config(directory: str | os.PathLike[str], **overrides: Any) -> Model
     return ModelConfig.from_hf(hf_config, **overrides)
 
 
+def _harp_hint(names: list[str], config: ModelConfig) -> str:
+    """Why q/k tensors may be missing or unexpected: the HARP layers of config.json's
+    HARP_CONFIG_KEY (`ModelConfig.harp_alphas`) disagree with the weights."""
+    if not all(name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                              "k_proj.bias")) for name in names):
+        return ""
+    return (f" (only q/k projections: a HARP model's top layers have none; config.json's "
+            f"{HARP_CONFIG_KEY!r} must name exactly those layers, and has "
+            f"{config.num_harp_layers} of {config.num_layers})")
+
+
 def _check_names(files: CheckpointFiles, mappings: list[TensorMapping],
                  config: ModelConfig, directory: Path) -> None:
     expected = {name for mapping in mappings for name in mapping.hf_names}
@@ -69,11 +80,11 @@ def _check_names(files: CheckpointFiles, mappings: list[TensorMapping],
     if missing:
         raise CheckpointMismatchError(
             f"{directory}: {len(missing)} tensor(s) the {config.model_type} config needs are "
-            f"missing, e.g. {missing[:5]}")
+            f"missing, e.g. {missing[:5]}{_harp_hint(missing, config)}")
     if unexpected:
         raise CheckpointMismatchError(
             f"{directory}: {len(unexpected)} unexpected tensor(s) for a {config.model_type} "
-            f"model with this config, e.g. {unexpected[:5]}")
+            f"model with this config, e.g. {unexpected[:5]}{_harp_hint(unexpected, config)}")
     for mapping in mappings:
         for name, shape in zip(mapping.hf_names, mapping.hf_shapes):
             found = files.shape(name)

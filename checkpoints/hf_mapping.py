@@ -93,22 +93,30 @@ def tensor_mappings(config: ModelConfig) -> list[TensorMapping]:
     for layer in range(config.num_layers):
         hf = f"model.layers.{layer}"
         ours: tuple[str | int, ...] = ("layers", layer)
+        # A HARP block (the top config.num_harp_layers) has no q/k projections: its
+        # safetensors lack them, which HF transformers cannot run (docs/pruning.md).
+        harp = config.harp_alpha(layer) is not None
         mappings += [
             _single(ours + ("input_norm", "weight"), f"{hf}.input_layernorm.weight", (d,),
                     _identity, _identity),
             _single(ours + ("post_attention_norm", "weight"),
                     f"{hf}.post_attention_layernorm.weight", (d,), _identity, _identity),
-            _single(ours + ("attention", "q_proj"), f"{hf}.self_attn.q_proj.weight",
-                    (n * h, d), *_heads_in(n, h)),
-            _single(ours + ("attention", "k_proj"), f"{hf}.self_attn.k_proj.weight",
-                    (k * h, d), *_heads_in(k, h)),
+        ]
+        if not harp:
+            mappings += [
+                _single(ours + ("attention", "q_proj"), f"{hf}.self_attn.q_proj.weight",
+                        (n * h, d), *_heads_in(n, h)),
+                _single(ours + ("attention", "k_proj"), f"{hf}.self_attn.k_proj.weight",
+                        (k * h, d), *_heads_in(k, h)),
+            ]
+        mappings += [
             _single(ours + ("attention", "v_proj"), f"{hf}.self_attn.v_proj.weight",
                     (k * h, d), *_heads_in(k, h)),
             _single(ours + ("attention", "o_proj"), f"{hf}.self_attn.o_proj.weight",
                     (d, n * h), *_heads_out(n, h)),
         ]
         if config.attention_bias:
-            for name, heads in (("q", n), ("k", k), ("v", k)):
+            for name, heads in (("v", k),) if harp else (("q", n), ("k", k), ("v", k)):
                 mappings.append(_single(ours + ("attention", f"{name}_bias"),
                                         f"{hf}.self_attn.{name}_proj.bias", (heads * h,),
                                         *_bias(heads, h)))

@@ -22,6 +22,7 @@ appends a report section (command, machine, date, numbers). See `jaxinfer.bench`
     jaxinfer prune --model M --method magnitude|wanda|sparsegpt (--sparsity 0.5 | --pattern 2:4)
                    [--owl] [--bits 4 --group-size 128] --calib FILE [--num-windows N]
                    [--window W] --out DIR
+    jaxinfer prune --model M --harp N [--harp-alpha search|FLOAT] --calib FILE --out DIR
     jaxinfer eval ppl --model M --data FILE [--window 256] [--stride S]
                       [--kv-cache-dtype int8] [--json]
 
@@ -29,7 +30,9 @@ appends a report section (command, machine, date, numbers). See `jaxinfer.bench`
 flag, `LLM(model=DIR)` and `jaxinfer serve` load; GPTQ and SmoothQuant calibrate on the text
 of `--calib`. `prune` writes a pruned float checkpoint (zeros in the blocks' linear
 weights, a plain HF directory), or with `--bits` a quantized one from SparseGPT's joint pass;
-both load like any other model. `eval ppl` prints the sliding-window perplexity of the text
+with `--harp N` the top N layers lose their q/k projections and KV cache (HARP, alphas searched
+on `--calib` or given), a checkpoint only our loader runs (`jaxinfer.prune.harp`);
+all load like any other model. `eval ppl` prints the sliding-window perplexity of the text
 in `--data`; with `--json`, one line `{"ppl": ..., "tokens": ...}`.
 """
 
@@ -393,6 +396,13 @@ def _add_prune(subparsers: argparse._SubParsersAction) -> None:
                         help="fraction of every output's input weights zeroed, in [0, 1)")
     target.add_argument("--pattern", metavar="N:M",
                         help="zero the N lowest of every M consecutive inputs (2:4, 4:8)")
+    target.add_argument("--harp", type=int, metavar="N",
+                        help="HARP: the top N layers attend only to themselves (no q/k "
+                             "projections, no KV cache), their attention scaled by alpha")
+    parser.add_argument("--harp-alpha", default="search", metavar="search|FLOAT",
+                        help="--harp: search each layer's alpha in 0, 0.1, ..., 1 on the "
+                             "calibration text, top layer first (default), or one alpha in "
+                             "[0, 1] for every layer (1: no rescaling)")
     parser.add_argument("--owl", action="store_true",
                         help="OWL: layers with more Wanda-score outliers pruned less "
                              "(sparsity +- --owl-lambda, mean --sparsity)")
@@ -427,6 +437,8 @@ def _run_prune(args: argparse.Namespace) -> int:
 
     if args.structured is not None:
         return _run_structured_prune(args)
+    if args.harp is not None:
+        return _run_harp_prune(args)
     try:
         if args.method is None:
             raise CommandError("--sparsity and --pattern need --method")
@@ -479,6 +491,47 @@ def _run_structured_prune(args: argparse.Namespace) -> int:
     before, after = parameter_count(model.config), parameter_count(pruned.config)
     print(f"wrote structured ({args.structured}, {args.importance} importance) checkpoint to "
           f"{out}: {after:,} parameters, {after / before:.1%} of {before:,}")
+    return 0
+
+
+def _harp_alpha(value: str) -> float | None:
+    """`--harp-alpha`: None for "search", else the float in [0, 1]."""
+    if value == "search":
+        return None
+    try:
+        alpha = float(value)
+    except ValueError:
+        alpha = -1.0
+    if not 0.0 <= alpha <= 1.0:
+        raise CommandError(f"--harp-alpha {value!r}: 'search' or a number in [0, 1]")
+    return alpha
+
+
+def _run_harp_prune(args: argparse.Namespace) -> int:
+    from checkpoints import save_hf_checkpoint
+    from jaxinfer.model_loading import load_model, resolve_model_path
+    from jaxinfer.prune.harp import harp_prune
+    from jaxinfer.quant.kv_cache import kv_bytes_per_token
+
+    if args.method is not None or args.bits is not None or args.owl:
+        raise CommandError("--harp takes none of --method, --bits, --owl (prune or quantize "
+                           "the HARP checkpoint in a second command)")
+    alpha = _harp_alpha(args.harp_alpha)
+    try:
+        windows = None if alpha is not None else _calibration_windows(
+            args.model, args.calib, args.window, args.num_windows * args.window)
+        model = load_model(args.model)
+        pruned, alphas = harp_prune(model, windows, args.harp, alpha,
+                                    progress=not args.no_progress)
+        source = resolve_model_path(args.model)
+        out = save_hf_checkpoint(pruned, args.out,
+                                 tokenizer_directory=source if source.is_dir() else None)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        raise CommandError(str(error)) from None
+    before, after = kv_bytes_per_token(model.config), kv_bytes_per_token(pruned.config)
+    print(f"wrote HARP ({args.harp} layers, alphas {', '.join(f'{a:g}' for a in alphas)}) "
+          f"checkpoint to {out}: KV cache {after} bytes per token, {after / before:.1%} "
+          f"of {before}")
     return 0
 
 

@@ -17,6 +17,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rms", "single_scale")
+# The config.json key of a HARP model (`ModelConfig.harp_alphas`), ours, not transformers':
+# {"layers": [top block indices], "alphas": [one per layer]}. HF transformers ignores it and
+# cannot run those layers (their q/k weights are absent from the safetensors).
+HARP_CONFIG_KEY = "jaxinfer_harp"
 
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -87,6 +91,13 @@ class ModelConfig:
             export folds it back to "rms".
         embedding_projection: OSP's EmbProj: learned `[D, D]` maps after the embedding lookup
             and between the final norm and the LM head. Training-time only, folded on export.
+        harp_alphas: HARP (high-layer attention pruning with rescaling, `jaxinfer.prune.harp`):
+            the rescaling factors alpha in [0, 1] of the top `len(harp_alphas)` blocks, in
+            block order (the last entry is the top block's). Those blocks' attention has no
+            q/k projections and no KV cache: each token attends only to itself, so the block
+            adds `alpha * o_proj(v_proj(norm(h)))`; alpha = 0 skips the attention sub-block.
+            Empty (the default): every block is a normal attention block. At least the
+            bottom block keeps its attention, so every model has a KV cache.
     """
 
     model_type: str = "llama"
@@ -112,6 +123,7 @@ class ModelConfig:
     dtype: str = "float32"
     norm_type: str = "rms"
     embedding_projection: bool = False
+    harp_alphas: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -119,6 +131,7 @@ class ModelConfig:
         if isinstance(self.eos_token_ids, int):
             object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "harp_alphas", tuple(float(a) for a in self.harp_alphas))
         self.validate()
 
     def validate(self) -> None:
@@ -156,6 +169,12 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise _fail(name, getattr(self, name), f"supported: {SUPPORTED_DTYPES}")
+        if len(self.harp_alphas) >= self.num_layers:
+            raise _fail("harp_alphas", self.harp_alphas,
+                        f"at most num_layers - 1 = {self.num_layers - 1} HARP layers (the "
+                        "bottom block keeps its attention and KV cache)")
+        if any(not 0.0 <= alpha <= 1.0 for alpha in self.harp_alphas):
+            raise _fail("harp_alphas", self.harp_alphas, "every alpha must be in [0, 1]")
 
     @property
     def is_moe(self) -> bool:
@@ -166,6 +185,24 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per key/value head (G)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_harp_layers(self) -> int:
+        """Top blocks whose attention HARP pruned (no q/k projections, no KV cache)."""
+        return len(self.harp_alphas)
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Blocks with a KV cache: the bottom `num_layers - num_harp_layers`. Block i < this
+        reads and writes layer i of every cache (contiguous or paged), so a block's index is
+        its cache layer's index; the HARP blocks above have no cache layer."""
+        return self.num_layers - self.num_harp_layers
+
+    def harp_alpha(self, layer: int) -> float | None:
+        """Block `layer`'s HARP alpha, or None when it is a normal attention block."""
+        if layer < self.num_cache_layers:
+            return None
+        return self.harp_alphas[layer - self.num_cache_layers]
 
     @property
     def uses_osp_parts(self) -> bool:
@@ -180,6 +217,7 @@ class ModelConfig:
         """All fields as JSON-ready values (the inverse of `from_dict`)."""
         fields = dataclasses.asdict(self)
         fields["eos_token_ids"] = list(self.eos_token_ids)
+        fields["harp_alphas"] = list(self.harp_alphas)
         return fields
 
     @classmethod
@@ -194,6 +232,8 @@ class ModelConfig:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         if "eos_token_ids" in fields:
             fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+        if "harp_alphas" in fields:
+            fields["harp_alphas"] = tuple(fields["harp_alphas"])
         return cls(**fields)
 
     # ------------------------------------------------------------------ HF conversion
@@ -258,6 +298,9 @@ class ModelConfig:
         if model_type == "mixtral":
             fields["num_experts"] = hf_config.get("num_local_experts", 8)
             fields["num_experts_per_token"] = hf_config.get("num_experts_per_tok", 2)
+        if HARP_CONFIG_KEY in hf_config:
+            fields["harp_alphas"] = _harp_alphas_from_hf(hf_config[HARP_CONFIG_KEY],
+                                                         fields["num_layers"])
         dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
         if dtype in SUPPORTED_DTYPES:
             fields["param_dtype"] = dtype
@@ -323,7 +366,29 @@ class ModelConfig:
         if self.model_type == "mixtral":
             hf["num_local_experts"] = self.num_experts
             hf["num_experts_per_tok"] = self.num_experts_per_token
+        if self.harp_alphas:
+            hf[HARP_CONFIG_KEY] = {
+                "layers": list(range(self.num_cache_layers, self.num_layers)),
+                "alphas": list(self.harp_alphas),
+            }
         return hf
+
+
+def _harp_alphas_from_hf(entry: Any, num_layers: int) -> tuple[float, ...]:
+    """The `harp_alphas` of a config.json's HARP_CONFIG_KEY entry, checked: its "layers"
+    must be the top blocks in order, one alpha each."""
+    key = HARP_CONFIG_KEY
+    if not isinstance(entry, dict) or not isinstance(entry.get("alphas"), list):
+        raise _fail(key, entry, 'must be an object {"layers": [...], "alphas": [...]}')
+    alphas = entry["alphas"]
+    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in alphas):
+        raise _fail(f"{key}.alphas", alphas, "must be numbers in [0, 1]")
+    top = list(range(num_layers - len(alphas), num_layers))
+    layers = entry.get("layers", top)
+    if layers != top:
+        raise _fail(f"{key}.layers", layers,
+                    f"HARP layers must be the top {len(alphas)} of {num_layers}: {top}")
+    return tuple(float(alpha) for alpha in alphas)
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

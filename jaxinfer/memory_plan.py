@@ -64,13 +64,16 @@ def linear_shapes(config: ModelConfig, *, quantizable_only: bool = False
             expert stacks, which stay bf16.
     """
     d, h, f = config.hidden_size, config.head_dim, config.intermediate_size
-    attention = [(d, config.num_heads * h), (d, config.num_kv_heads * h),
-                 (d, config.num_kv_heads * h), (config.num_heads * h, d)]
+    value_output = [(d, config.num_kv_heads * h), (config.num_heads * h, d)]  # v, o
+    attention = [(d, config.num_heads * h), (d, config.num_kv_heads * h)] + value_output
+    # HARP blocks (the top config.num_harp_layers) have no q/k projections.
+    attention_shapes = (attention * config.num_cache_layers
+                        + value_output * config.num_harp_layers)
     if config.num_experts and quantizable_only:
-        return attention * config.num_layers
+        return attention_shapes
     experts = max(config.num_experts, 1)
     mlp = [(d, f), (d, f), (f, d)] * experts
-    return (attention + mlp) * config.num_layers
+    return attention_shapes + mlp * config.num_layers
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -78,12 +81,14 @@ def parameter_count(config: ModelConfig) -> int:
     d, h = config.hidden_size, config.head_dim
     linear = sum(k * n for k, n in linear_shapes(config))
     per_layer_small = 2 * d  # the two RMSNorm gains
-    if config.attention_bias:
-        per_layer_small += (config.num_heads + 2 * config.num_kv_heads) * h
     if config.num_experts:
         per_layer_small += d * config.num_experts  # the router
+    biases = 0
+    if config.attention_bias:  # q/k/v biases; a HARP block keeps only v's
+        biases = ((config.num_heads + 2 * config.num_kv_heads) * h * config.num_cache_layers
+                  + config.num_kv_heads * h * config.num_harp_layers)
     embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
-    return linear + config.num_layers * per_layer_small + d + embeddings
+    return linear + config.num_layers * per_layer_small + biases + d + embeddings
 
 
 def _linear_bytes(k: int, n: int, weight_format: str, group_size: int) -> int:
@@ -116,7 +121,8 @@ def kv_heads_per_chip(config: ModelConfig, tensor_parallel: int) -> int:
 
 def kv_bytes_per_token(config: ModelConfig, kv_format: str = "bf16",
                        tensor_parallel: int = 1) -> int:
-    """Bytes one token of context takes in one chip's KV cache (all layers, K and V).
+    """Bytes one token of context takes in one chip's KV cache (K and V of every layer with a
+    cache: `config.num_cache_layers`, HARP blocks having none).
 
     Raises:
         ValueError: An unknown format.
@@ -125,7 +131,7 @@ def kv_bytes_per_token(config: ModelConfig, kv_format: str = "bf16",
         raise ValueError(f"unknown KV format {kv_format!r}; known: {KV_FORMATS}")
     heads = kv_heads_per_chip(config, tensor_parallel)
     per_head = 2 * config.head_dim if kv_format == "bf16" else config.head_dim + 4
-    return config.num_layers * 2 * heads * per_head
+    return config.num_cache_layers * 2 * heads * per_head
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,11 +118,15 @@ def step_cost(config: ModelConfig, num_tokens: int, num_sampled: int,
     layers = config.num_layers
     per_layer = layer_matmul_parameters(config)
     head = config.hidden_size * config.vocab_size
-    flops = (2 * per_layer * layers * num_tokens + 2 * head * num_sampled
-             + 4 * config.num_heads * config.head_dim * visible_keys * layers)
-    kv_token = 2 * config.num_kv_heads * config.head_dim * layers * _dtype_bytes(
+    # HARP blocks (config.num_harp_layers) have no q/k projections, QK^T or KV cache.
+    attention_layers = config.num_cache_layers
+    block_parameters = per_layer * layers - config.num_harp_layers * config.hidden_size * (
+        config.head_dim * (config.num_heads + config.num_kv_heads))
+    flops = (2 * block_parameters * num_tokens + 2 * head * num_sampled
+             + 4 * config.num_heads * config.head_dim * visible_keys * attention_layers)
+    kv_token = 2 * config.num_kv_heads * config.head_dim * attention_layers * _dtype_bytes(
         kv_dtype or config.dtype)
-    read = (per_layer * layers + head) * weight_bytes + kv_read_tokens * kv_token
+    read = (block_parameters + head) * weight_bytes + kv_read_tokens * kv_token
     written = num_tokens * kv_token
     return StepCost(flops, read + written)
 

@@ -18,6 +18,12 @@ reads the layer in place, where slicing made XLA:CPU copy every weight of the la
 dot each step (about 10 ms of a 30 ms batch-1 decode step of bench-30m). Other variables
 (norm gains, biases, quantized arrays) are sliced.
 
+A HARP model (`ModelConfig.harp_alphas`) has two kinds of blocks: the bottom
+`num_cache_layers` with attention and a KV cache, and the HARP blocks above them, without
+q/k projections or cache (each a graph of its own, its alpha being static). Only the first
+kind is stacked and scanned; the copy keeps the HARP blocks as its `layers`, which the forward
+runs one by one after the scan (a few top blocks, so unrolling them costs little compile time).
+
 The page pool `[L, P, Z, 2K, H]` (int8: plus scales `[L, P, Z, 2K]`) is the scan's carry,
 not a scanned input or output (a stacked output would be a new pool every step). Each block
 writes and reads `pool[layer]` by passing the layer index into the attention ops, which index
@@ -72,20 +78,33 @@ def stack_block_states(blocks: Sequence[nnx.Module]) -> nnx.State:
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def stack_layers(model: Any) -> Any | None:
-    """A copy of `model` (a `Transformer`) whose blocks are one stacked block, or None when
-    they cannot be scanned (see `uniform_block_graphdef`).
+def cached_blocks(model: Any) -> list[nnx.Module]:
+    """The blocks of `model` (a `Transformer` with unstacked layers) that have a KV cache:
+    all but the HARP blocks on top."""
+    return list(model.layers)[:model.config.num_cache_layers]
 
-    The copy shares every array but the blocks' (which it stacks, a copy of their weights);
-    its `layers` is empty and its `stacked_layers` holds the stacked block. Its forward runs
-    the blocks with `scan_blocks` (no cache or a paged cache).
+
+def can_stack_layers(model: Any) -> bool:
+    """Whether `stack_layers(model)` gives a scanning copy (see `uniform_block_graphdef`)."""
+    return uniform_block_graphdef(cached_blocks(model)) is not None
+
+
+def stack_layers(model: Any) -> Any | None:
+    """A copy of `model` (a `Transformer`) whose blocks with a KV cache are one stacked
+    block, or None when they cannot be scanned (see `uniform_block_graphdef`).
+
+    The copy shares every array but those blocks' (which it stacks, a copy of their
+    weights); its `stacked_layers` holds the stacked block and its `layers` only the HARP
+    blocks above (empty for a model without them). Its forward runs the stacked blocks with
+    `scan_blocks` (no cache or a paged cache), then the HARP blocks.
     """
-    graphdef = uniform_block_graphdef(list(model.layers))
+    blocks = cached_blocks(model)
+    graphdef = uniform_block_graphdef(blocks)
     if graphdef is None:
         return None
-    stacked = nnx.merge(graphdef, stack_block_states(list(model.layers)))
+    stacked = nnx.merge(graphdef, stack_block_states(blocks))
     copy = nnx.merge(*nnx.split(model))
-    copy.layers = nnx.List([])
+    copy.layers = nnx.List(list(copy.layers)[len(blocks):])
     copy.stacked_layers = nnx.data(stacked)  # declared None (static) in `Transformer`
     return copy
 

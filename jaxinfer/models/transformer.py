@@ -1,7 +1,8 @@
 """The decoder-only transformer shared by reference generation, the engine and training.
 
 `Transformer(config, rngs=...)` builds the Llama-family model described by a `ModelConfig`
-(dense SwiGLU or Mixtral MoE blocks, tied or untied embeddings). `create_model` builds it
+(dense SwiGLU or Mixtral MoE blocks, tied or untied embeddings; with `harp_alphas`, HARP
+blocks on top whose attention has no q/k projections and no KV cache). `create_model` builds it
 directly onto a device mesh under a sharding layout. The forward pass takes token ids and
 their positions and, optionally, a contiguous KV cache (`KVCache`) or the engine's page pool
 (`PagedKVCache`) that it updates. `jaxinfer.models.scan.stack_layers` gives the copy of a
@@ -20,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import Attention, LayerCache, PagedBatch, PagedLayerCache
+from jaxinfer.models.harp_attention import HarpAttention
 from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_linear, make_norm
 from jaxinfer.models.moe import MoEBlock
 from jaxinfer.models.scan import scan_blocks
@@ -27,7 +29,8 @@ from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shard
 
 
 class KVCache(NamedTuple):
-    """Contiguous KV cache for every layer: one `LayerCache` per layer."""
+    """Contiguous KV cache: one `LayerCache` per block with a cache (`config.num_cache_layers`:
+    HARP blocks have none)."""
 
     layers: tuple[LayerCache, ...]
 
@@ -38,12 +41,13 @@ class KVCache(NamedTuple):
         shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)  # [B, S, K, H]
         cache_dtype = dtype_of(dtype or config.dtype)
         return cls(tuple(LayerCache(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
-                         for _ in range(config.num_layers)))
+                         for _ in range(config.num_cache_layers)))
 
 
 class PagedKVCache(NamedTuple):
     """The engine's page pool, every layer's pages stacked in one `[L, P, Z, 2K, H]` array
     (page p is the same slot of the same tokens in every layer), plus the step's `PagedBatch`.
+    L is `config.num_cache_layers`: the blocks below the HARP ones, block i using layer i.
 
     An int8 pool also holds float32 scales `[L, P, Z, 2K]`: one scale per token and
     (interleaved) key or value head over head_dim, symmetric absmax / 127
@@ -60,7 +64,7 @@ class PagedKVCache(NamedTuple):
                batch: PagedBatch, dtype: str | None = None) -> PagedKVCache:
         """Allocates a zeroed pool of `num_pages` pages per layer; `dtype="int8"` gives the
         quantized pool with its scales."""
-        shape = (config.num_layers, num_pages, page_size, 2 * config.num_kv_heads,
+        shape = (config.num_cache_layers, num_pages, page_size, 2 * config.num_kv_heads,
                  config.head_dim)  # [L, P, Z, 2K, H]
         cache_dtype = dtype_of(dtype or config.dtype)
         scales = None
@@ -72,8 +76,11 @@ class PagedKVCache(NamedTuple):
 AnyCache = KVCache | PagedKVCache
 
 
-def _layer_cache(cache: AnyCache | None, index: int) -> LayerCache | PagedLayerCache | None:
-    if cache is None:
+def _layer_cache(cache: AnyCache | None, index: int,
+                 config: ModelConfig) -> LayerCache | PagedLayerCache | None:
+    """Block `index`'s view of `cache`: its layer (block i is cache layer i), or None for a
+    HARP block, which has no cache layer."""
+    if cache is None or index >= config.num_cache_layers:
         return None
     if isinstance(cache, PagedKVCache):
         return PagedLayerCache(cache.pages, cache.batch, cache.scales, index)
@@ -82,9 +89,9 @@ def _layer_cache(cache: AnyCache | None, index: int) -> LayerCache | PagedLayerC
 
 def _with_layer(cache: AnyCache | None, index: int,
                 layer_cache: LayerCache | PagedLayerCache | None) -> AnyCache | None:
-    """`cache` after layer `index` updated it (a paged layer returns the whole pool)."""
-    if cache is None:
-        return None
+    """`cache` after block `index` updated it (a paged layer returns the whole pool)."""
+    if cache is None or layer_cache is None:
+        return cache
     if isinstance(cache, PagedKVCache):
         return cache._replace(pages=layer_cache.pages, scales=layer_cache.scales)
     layers = list(cache.layers)
@@ -93,21 +100,43 @@ def _with_layer(cache: AnyCache | None, index: int,
 
 
 class DecoderBlock(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)).
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
+    Block `layer` of a HARP model (`config.harp_alpha(layer)` set) has a `HarpAttention`:
+    x + alpha * W_o W_v norm(x), no cache; with alpha = 0 the attention sub-block is skipped.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0) -> None:
         self.input_norm = make_norm(config, rngs=rngs)
-        self.attention = Attention(config, rngs=rngs)
+        harp_alpha = config.harp_alpha(layer)
+        self.attention: Attention | HarpAttention = (
+            Attention(config, rngs=rngs) if harp_alpha is None
+            else HarpAttention(config, harp_alpha, rngs=rngs))
         self.post_attention_norm = make_norm(config, rngs=rngs)
         self.mlp = MoEBlock(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, cache: LayerCache | PagedLayerCache | None
     ) -> tuple[jax.Array, LayerCache | PagedLayerCache | None]:
-        attended, cache = self.attention(self.input_norm(x), positions, cache)  # [B, T, D]
-        x = constrain(x + attended, ("batch", "length", "act_embed"))  # [B, T, D]
+        if isinstance(self.attention, HarpAttention):
+            if cache is not None:
+                raise ValueError("a HARP block has no KV cache; it was given one")
+            # alpha = 0 drops the sub-block, except under activation hooks: calibration
+            # (GPTQ, Wanda, SparseGPT) captures every block's four linear-input sites, so
+            # the sub-block runs and adds exactly 0 * W_o W_v norm(x).
+            if self.attention.alpha != 0.0 or self.attention.activation_hooks is not None:
+                x = x + self.attention(self.input_norm(x))  # [B, T, D]
+        else:
+            attended, cache = self.attention(self.input_norm(x), positions, cache)  # [B, T, D]
+            x = x + attended  # [B, T, D]
+        return self.feed_forward(x), cache
+
+    def feed_forward(self, x: jax.Array) -> jax.Array:
+        """The MLP sub-block on the `[B, T, D]` residual stream after attention:
+        `x + mlp(norm(x))`, `[B, T, D]`."""
+        x = constrain(x, ("batch", "length", "act_embed"))  # [B, T, D]
         x = x + self.mlp(self.post_attention_norm(x))  # [B, T, D]
-        return constrain(x, ("batch", "length", "act_embed")), cache
+        return constrain(x, ("batch", "length", "act_embed"))
 
 
 class Transformer(nnx.Module):
@@ -124,10 +153,11 @@ class Transformer(nnx.Module):
         param_dtype, dtype = dtype_of(config.param_dtype), dtype_of(config.dtype)
         self.embed = Embedding(config.vocab_size, config.hidden_size, param_dtype=param_dtype,
                                dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderBlock(config, rngs=rngs)
-                                for _ in range(config.num_layers)])
-        # Set only on the scanning copy `jaxinfer.models.scan.stack_layers` makes (then
-        # `layers` is empty): one block whose variables hold every layer's arrays.
+        self.layers = nnx.List([DecoderBlock(config, rngs=rngs, layer=layer)
+                                for layer in range(config.num_layers)])
+        # Set only on the scanning copy `jaxinfer.models.scan.stack_layers` makes: one block
+        # whose variables hold the arrays of every block with a cache; `layers` then keeps
+        # only the HARP blocks above them (none for a dense model), run one by one.
         self.stacked_layers: DecoderBlock | None = None
         self.final_norm = make_norm(config, rngs=rngs)
         if config.embedding_projection:
@@ -192,17 +222,28 @@ class Transformer(nnx.Module):
                                            batch)  # [B, T, D]
             if cache is not None:
                 cache = cache._replace(pages=pages, scales=scales)
-        for index, block in enumerate(self.layers):
-            x, layer_cache = block(x, positions, _layer_cache(cache, index))  # [B, T, D]
+        # In the stacked copy, `layers` starts at the first HARP block.
+        first = 0 if self.stacked_layers is None else self.config.num_cache_layers
+        for index, block in enumerate(self.layers, start=first):
+            x, layer_cache = block(x, positions,
+                                   _layer_cache(cache, index, self.config))  # [B, T, D]
             cache = _with_layer(cache, index, layer_cache)
             if intermediates is not None:
                 intermediates.append(x)
         x = self.final_norm(x)  # [B, T, D]
         if intermediates is not None:
             intermediates.append(x)
+        return self._project_output(x), cache
+
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        """The `[B, T, D]` residual stream leaving the last block to the hidden states the
+        LM head reads (the final norm, then OSP's output projection if any): `[B, T, D]`."""
+        return self._project_output(self.final_norm(x))
+
+    def _project_output(self, x: jax.Array) -> jax.Array:
         if self.output_projection is not None:
             x = self.output_projection(x)  # [B, T, D]
-        return x, cache
+        return x
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Projects `[B, T, D]` hidden states to `[B, T, V]` float32 logits."""

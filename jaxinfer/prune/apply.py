@@ -81,7 +81,7 @@ def prune_model(model: Transformer, config: PruningConfig, windows: np.ndarray |
             if group:
                 groups.append((index, capture, group))
     head = [site for site in sites if site.path == "lm_head"]
-    bar = _progress(len(groups) + len(head), progress)
+    bar = progress_bar(len(groups) + len(head), progress)
     for index, block in enumerate(model.layers):
         for _, capture, group in [entry for entry in groups if entry[0] == index]:
             statistics = _Statistics(None)
@@ -161,12 +161,13 @@ def _sparsegpt(site: LinearSite, scheme: PruningScheme, config: PruningConfig,
 class _StderrProgress:
     """A one-line `pruning: done/total` counter on stderr (when tqdm is not installed)."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
+    def __init__(self, total: int, description: str = "pruning") -> None:
+        self.total, self.done, self.description = total, 0, description
 
     def update(self, count: int) -> None:
         self.done += count
-        print(f"\rpruning: {self.done}/{self.total} passes", end="", file=sys.stderr,
+        print(f"\r{self.description}: {self.done}/{self.total} passes", end="",
+              file=sys.stderr,
               flush=True)
 
     def close(self) -> None:
@@ -181,12 +182,13 @@ class _NoProgress:
         pass
 
 
-def _progress(total: int, enabled: bool) -> Any:
-    """A progress bar over `total` per-layer passes: tqdm's if it is installed."""
+def progress_bar(total: int, enabled: bool, description: str = "pruning") -> Any:
+    """A progress bar over `total` per-layer passes: tqdm's if it is installed. It has
+    `update(count)` and `close()`."""
     if not enabled:
         return _NoProgress()
     try:
         from tqdm import tqdm
     except ImportError:
-        return _StderrProgress(total)
-    return tqdm(total=total, desc="pruning", unit="pass", file=sys.stderr)
+        return _StderrProgress(total, description)
+    return tqdm(total=total, desc=description, unit="pass", file=sys.stderr)

@@ -53,7 +53,8 @@ class StructureScores(NamedTuple):
 
 def check_prunable(model: Transformer) -> None:
     """Raises ValueError unless `model` is one structured pruning can score and slice: a
-    dense float model with its layers as a list (not the engine's stacked copy)."""
+    dense float model without HARP layers, with its layers as a list (not the engine's
+    stacked copy)."""
     config = model.config
     if config.is_moe:
         raise ValueError("structured pruning handles dense models only (this one is a "
@@ -61,6 +62,9 @@ def check_prunable(model: Transformer) -> None:
     if model.stacked_layers is not None:
         raise ValueError("structured pruning needs the model with unstacked layers, not the "
                          "engine's scanning copy")
+    if config.harp_alphas:
+        raise ValueError("structured pruning of a HARP model (its top layers have no q/k): "
+                         "prune structures first, then convert with HARP")
     for path, variable in nnx.to_flat_state(nnx.state(model)):
         value = variable.get_value()
         if not isinstance(value, jax.Array) or not jnp.issubdtype(value.dtype, jnp.floating):
@@ -169,6 +173,12 @@ def taylor_importance(model: Transformer, windows: np.ndarray, *,
 def next_token_loss(model: Transformer, token_ids: jax.Array) -> jax.Array:
     """Mean cross-entropy of each `[B, T]` window's tokens 1..T-1 given those before."""
     logits, _ = model(token_ids)  # [B, T, V]
+    return logits_next_token_loss(logits, token_ids)
+
+
+def logits_next_token_loss(logits: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Mean cross-entropy of `[B, T, V]` logits predicting each `[B, T]` window's tokens
+    1..T-1 (logits at t predict token t + 1)."""
     log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # [B, T-1, V]
     targets = token_ids[:, 1:, None]  # [B, T-1, 1]
     return -jnp.take_along_axis(log_probs, targets, axis=-1).mean()

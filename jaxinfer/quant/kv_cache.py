@@ -33,14 +33,15 @@ def int8_round_trip(x: jax.Array) -> jax.Array:
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_cache_dtype: str | None = None) -> int:
-    """Bytes one token's keys and values take in every layer's cache.
+    """Bytes one token's keys and values take in the cache of every layer that has one
+    (`config.num_cache_layers`: HARP blocks have none).
 
     Args:
         config: The model.
         kv_cache_dtype: "int8" (one byte per element plus a float32 scale per token, layer
             and key or value head), a float dtype name, or None for the model's compute dtype.
     """
-    elements = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    elements = 2 * config.num_cache_layers * config.num_kv_heads * config.head_dim
     if kv_cache_dtype == "int8":
-        return elements + 4 * 2 * config.num_layers * config.num_kv_heads
+        return elements + 4 * 2 * config.num_cache_layers * config.num_kv_heads
     return elements * jnp.dtype(kv_cache_dtype or config.dtype).itemsize

@@ -257,12 +257,14 @@ class LinearSite:
 
 
 def linear_sites(model: Transformer) -> list[LinearSite]:
-    """Every linear weight of `model` in forward order: per block q, k, v, o, gate, up,
-    down (dense blocks only), then the untied LM head."""
+    """Every linear weight of `model` in forward order: per block q, k, v, o (v, o only in
+    a HARP block), gate, up, down (dense blocks only), then the untied LM head."""
     sites = []
     for index, block in enumerate(model.layers):
         prefix = f"layers.{index}"
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not hasattr(block.attention, name):  # q/k of a HARP block
+                continue
             sites.append(LinearSite(f"{prefix}.attention.{name}", block.attention, name,
                                     2 if name == "o_proj" else 1))
         if isinstance(block.mlp, MLP):

@@ -70,3 +70,16 @@ def test_plan_by_hand_and_its_errors():
     assert not plan(get_preset("mixtral-8x7b"), ACCELERATORS["v5e-8"], tensor_parallel=1).fits
     with pytest.raises(ValueError, match="tensor_parallel=3 must divide the 8 chips"):
         plan(config, ACCELERATORS["v5e-8"], tensor_parallel=3)
+
+
+def test_harp_layers_have_no_kv_bytes_and_no_query_key_weights():
+    dense = get_preset("llama-3-8b")  # 32 layers, 8 KV heads of 128
+    harp = dense.replace(harp_alphas=(1.0, 0.5, 0.0))  # the top 3 layers
+    assert kv_bytes_per_token(harp) == 29 * 2 * 8 * 128 * 2
+    assert kv_bytes_per_token(harp, "int8", 4) == kv_bytes_per_token(dense, "int8", 4) * 29 // 32
+    query_key = 3 * 4096 * (32 + 8) * 128  # q [D, N*H] and k [D, K*H] of 3 layers
+    assert parameter_count(dense) - parameter_count(harp) == query_key
+    assert weight_bytes(dense) - weight_bytes(harp) == 2 * query_key
+    tiny = get_preset("tiny").replace(num_layers=4, attention_bias=True, harp_alphas=(0.5,))
+    params = nnx.state(create_model(tiny, seed=0), nnx.Param)
+    assert parameter_count(tiny) == sum(leaf.size for leaf in jax.tree.leaves(params))

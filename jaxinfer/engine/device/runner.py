@@ -69,7 +69,7 @@ from jaxinfer.engine.host.scheduler import ScheduledRequest
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.spec.verify import Verification, sampling_probabilities, verify
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
-from jaxinfer.models.scan import stack_layers, uniform_block_graphdef
+from jaxinfer.models.scan import can_stack_layers, stack_layers
 from jaxinfer.multihost import StepChannel
 from jaxinfer.sharding import activate, active_axis, parameter_shardings
 
@@ -259,7 +259,7 @@ class ModelRunner:
         the mesh with its block sharding behind a replicated layer axis. It copies the
         blocks' weights; the model itself is left as it was.
         """
-        if not scan_layers or uniform_block_graphdef(list(model.layers)) is None:
+        if not scan_layers or not can_stack_layers(model):
             return nnx.split(model)
         graphdef, state = nnx.split(model)
         stacked_graphdef, abstract_state = nnx.split(nnx.eval_shape(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jaxinfer.config import get_preset
 from jaxinfer.engine.auto_config import Machine, auto_engine_options
 from jaxinfer.engine.config import EngineConfig
@@ -40,3 +42,13 @@ def test_more_sequences_than_the_default_step_raise_the_step():
     options = auto_engine_options(get_preset("tiny"), {"max_num_seqs": 2048},
                                   Machine("cpu", 16 * GIB))
     assert options["max_num_batched_tokens"] == 2048
+
+
+def test_harp_layers_leave_room_for_more_pages():
+    dense = get_preset("llama-3-8b").replace(dtype="bfloat16", param_dtype="bfloat16")
+    harp = dense.replace(harp_alphas=(1.0,) * 8)  # 24 of 32 layers keep a cache
+    machine = Machine("gpu", 40 * GIB)
+    pages = [auto_engine_options(model, {}, machine)["num_pages"] for model in (dense, harp)]
+    assert pages == [int(40 * GIB * 0.8) // (kv_bytes_per_token(model, "bf16") * 16)
+                     for model in (dense, harp)]
+    assert pages[1] == pytest.approx(pages[0] * 32 / 24, abs=1)

@@ -93,7 +93,39 @@ def test_prune_command_structured_writes_a_smaller_dense_model(tmp_path, texts, 
     assert len(_generate(out)) == 8
 
 
+@pytest.mark.slow  # 38 s on the shared 2-core machine
+def test_prune_command_harp_searches_alphas_and_the_checkpoint_loads_everywhere(
+        tmp_path, texts, capsys):
+    calib, held_out = texts
+    out = tmp_path / "demo-harp"
+    assert jaxinfer_main(["prune", "--model", "builtin:demo", "--harp", "2", "--calib",
+                          str(calib), "--num-windows", "4", "--window", "64", "--no-progress",
+                          "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "wrote HARP (2 layers, alphas" in printed and "75.0% of" in printed  # 6 of 8 cached
+    config = json.loads((out / "config.json").read_text())
+    alphas = config["jaxinfer_harp"]["alphas"]
+    assert config["jaxinfer_harp"]["layers"] == [6, 7] and len(alphas) == 2
+    assert all(0.0 <= alpha <= 1.0 for alpha in alphas)
+    assert load_model(out).config.harp_alphas == tuple(alphas)
+    assert len(_generate(out)) == 8
+    assert jaxinfer_main(["eval", "ppl", "--model", str(out), "--data", str(held_out),
+                          "--window", "64", "--json"]) == 0
+    harp_ppl = json.loads(capsys.readouterr().out)["ppl"]
+    assert jaxinfer_main(["eval", "ppl", "--model", "builtin:demo", "--data", str(held_out),
+                          "--window", "64", "--json"]) == 0
+    dense_ppl = json.loads(capsys.readouterr().out)["ppl"]
+    assert 1.0 < harp_ppl < 3 * dense_ppl
+    fixed = tmp_path / "demo-harp-one"
+    assert jaxinfer_main(["prune", "--model", "builtin:demo", "--harp", "1", "--harp-alpha",
+                          "1", "--calib", str(calib), "--out", str(fixed)]) == 0
+    assert load_model(fixed).config.harp_alphas == (1.0,)
+
+
 @pytest.mark.parametrize("arguments, message", [
+    (["--harp", "2", "--method", "wanda"], "--harp takes none of"),
+    (["--harp", "2", "--harp-alpha", "2"], "'search' or a number in [0, 1]"),
+    (["--harp", "8", "--harp-alpha", "1"], "need 1 <= n < num_layers = 8"),
     (["--method", "wanda", "--sparsity", "0.5", "--bits", "4"], "--method sparsegpt"),
     (["--method", "wanda", "--pattern", "2-4"], "N:M"),
     (["--method", "wanda", "--sparsity", "1.5"], "must be in [0, 1)"),

@@ -76,3 +76,10 @@ def test_int8_cache_perplexity_equals_the_simulated_rounding(model):
     assert paged.tokens == simulated.tokens == exact.tokens
     assert paged.nll == pytest.approx(simulated.nll, rel=1e-5)
     assert paged.nll != exact.nll  # the int8 cache did round something
+
+
+def test_harp_layers_take_no_cache_bytes():
+    config = get_preset("tiny").replace(num_layers=4, harp_alphas=(1.0,))  # 3 cached layers
+    dense = config.replace(harp_alphas=())
+    assert kv_bytes_per_token(config, "int8") == 3 * (2 * 2 * 16 + 4 * 2 * 2)
+    assert kv_bytes_per_token(config) == kv_bytes_per_token(dense) * 3 // 4
