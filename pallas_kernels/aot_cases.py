@@ -2,10 +2,11 @@
 
 Each case describes one call of a public op by sizes only and compiles it, through
 `pallas_kernels.aot.compile_for`, with the op forced to its Pallas kernel. `MATRIX` is the
-whole table, 80 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
+whole table, 84 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
 `aot.TOPOLOGIES`), and so does `make tpu-check`, in CI.
 
-Ragged paged attention. The dimensions are KV dtype (bf16, int8), batch (decode-only, mixed
+Ragged paged attention. The dimensions are KV dtype (bf16, int8; fp8 e4m3 and e5m2 on the two
+base batches only, as they take int8's path), batch (decode-only, mixed
 prefill), sliding window, soft-cap, GQA ratio (query heads per KV head: 1, 4, 8), head dim (64,
 128, 256), page size (16, 32, 64, 128) and KV heads per chip (8, 2, 1). Their full product
 is 1728 programs per chip, too many for CI, and the kernel's code paths do not interact that
@@ -63,6 +64,8 @@ class AttentionCase:
     tokens_per_seq: int = 512  # pages_per_seq * page_size: the longest context
     pool_tokens: int = 16384  # P * Z: the page pool's capacity in tokens
     int8_kv: bool = False
+    # "float8_e4m3fn" / "float8_e5m2": fp8 pages with the int8 pool's scales (same copy path).
+    fp8_kv: str | None = None
     sliding_window: int | None = None
     soft_cap: float | None = None
 
@@ -78,13 +81,20 @@ class AttentionCase:
     def pages_bytes(self) -> int:
         """Bytes of the `[P, Z, 2K, H]` page pool."""
         return (self.num_pages * self.page_size * 2 * self.num_kv_heads * self.head_dim
-                * (1 if self.int8_kv else 2))
+                * (1 if self.scaled_kv else 2))
+
+    @property
+    def scaled_kv(self) -> bool:
+        """Whether the pages are 8-bit with a float32 scale per token and head."""
+        return self.int8_kv or self.fp8_kv is not None
 
     def arguments(self) -> list[jax.ShapeDtypeStruct]:
-        """The public op's array arguments (kv_scales last, when int8)."""
+        """The public op's array arguments (kv_scales last, when int8 or fp8)."""
         import jax.numpy as jnp
 
         pages_dtype = jnp.int8 if self.int8_kv else jnp.bfloat16
+        if self.fp8_kv is not None:
+            pages_dtype = jnp.dtype(self.fp8_kv)
         arguments = [
             jax.ShapeDtypeStruct((self.num_tokens, self.num_kv_heads * self.group,
                                   self.head_dim), jnp.bfloat16),  # [T, N, H]
@@ -95,7 +105,7 @@ class AttentionCase:
             jax.ShapeDtypeStruct((self.max_seqs + 1,), jnp.int32),  # [Q + 1]
             jax.ShapeDtypeStruct((1,), jnp.int32),
         ]
-        if self.int8_kv:
+        if self.scaled_kv:
             arguments.append(jax.ShapeDtypeStruct(
                 (self.num_pages, self.page_size, 2 * self.num_kv_heads),
                 jnp.float32))  # [P, Z, 2K]
@@ -146,6 +156,10 @@ ATTENTION_CASES: tuple[AttentionCase, ...] = (
     *(AttentionCase(f"mixed-{_kv_label(int8)}-{label}", **_BATCHES["mixed"], int8_kv=int8,
                     **fields)
       for label, fields in _ATTENTION_VARIATIONS for int8 in (False, True)),
+    # fp8 pages share int8's copy path and scales; only the widening differs.
+    *(AttentionCase(f"{batch}-{label}", **_BATCHES[batch], fp8_kv=dtype)
+      for batch in ("decode", "mixed")
+      for label, dtype in (("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"))),
 )
 
 

@@ -36,9 +36,9 @@ from typing import Any
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.limits import RequestLimits
+from jaxinfer.kv_formats import KIVI_BITS, KV_CACHE_DTYPES
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-KV_CACHE_DTYPES = (None, "int8")
 
 
 class SchedulerConfigError(ValueError):
@@ -72,8 +72,10 @@ class CacheConfig:
             `max_num_seqs` sequences of `max_model_len` tokens.
         enable_prefix_caching: Share the KV pages of identical full prompt blocks.
         cache_dtype: KV page dtype; None means the model's compute dtype.
-        kv_cache_dtype: "int8" quantizes the KV cache (int8 pages, one float32 scale per
-            token and KV head); None keeps `cache_dtype`.
+        kv_cache_dtype: A quantized KV cache (`jaxinfer.kv_formats`): "int8", "fp8_e4m3" or
+            "fp8_e5m2" (one byte an element, one float32 scale per token and KV head), or
+            KIVI's "int4" / "int2" (keys per channel over a page, values per token in groups,
+            the newest partly filled page in float32); None keeps `cache_dtype`.
     """
 
     page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
@@ -86,7 +88,10 @@ class CacheConfig:
         default=None, metadata=_help("KV page dtype (default: the model's compute dtype)",
                                      choices=("float32", "bfloat16")))
     kv_cache_dtype: str | None = dataclasses.field(
-        default=None, metadata=_help("'int8' quantizes the KV cache", choices=("int8",)))
+        default=None, metadata=_help(
+            "quantize the KV cache: int8, fp8_e4m3, fp8_e5m2 (scale per token and head), or "
+            "KIVI int4 / int2 (keys per channel, values per token, newest page in float32)",
+            choices=KV_CACHE_DTYPES[1:]))
 
     def __post_init__(self) -> None:
         if not _positive_int(self.page_size):
@@ -97,15 +102,23 @@ class CacheConfig:
             raise _scheduler_error("enable_prefix_caching", self.enable_prefix_caching,
                                    "must be a bool")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype = {self.kv_cache_dtype!r}: None or 'int8'")
+            raise _scheduler_error("kv_cache_dtype", self.kv_cache_dtype,
+                                   f"must be None or one of {KV_CACHE_DTYPES[1:]}")
         if self.kv_cache_dtype is not None and self.cache_dtype is not None:
-            raise ValueError(f"give cache_dtype ({self.cache_dtype!r}) or kv_cache_dtype "
-                             f"({self.kv_cache_dtype!r}), not both")
+            raise _scheduler_error("kv_cache_dtype", self.kv_cache_dtype,
+                                   f"give cache_dtype ({self.cache_dtype!r}) or "
+                                   f"kv_cache_dtype ({self.kv_cache_dtype!r}), not both")
 
     @property
     def page_dtype(self) -> str | None:
-        """What the page pool stores: "int8", a float dtype, or None (the model's)."""
+        """What the page pool stores: a `kv_cache_dtype` ("int8", "fp8_e4m3", "int4", ...),
+        a float dtype, or None (the model's)."""
         return self.kv_cache_dtype or self.cache_dtype
+
+    @property
+    def is_kivi(self) -> bool:
+        """Whether the pool is KIVI's (int4 / int2), with a float32 residual pool."""
+        return self.kv_cache_dtype in KIVI_BITS
 
     def pages_per_sequence(self, max_model_len: int) -> int:
         """Pages one `max_model_len` sequence needs."""

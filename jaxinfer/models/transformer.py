@@ -19,11 +19,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv_formats import SCALED_KV_DTYPES
 from jaxinfer.models.attention import Attention, LayerCache, PagedBatch, PagedLayerCache
 from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_linear, make_norm
 from jaxinfer.models.moe import MoEBlock
 from jaxinfer.models.scan import scan_blocks
 from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
+from pallas_kernels.ragged_paged_attention import QUANTIZED_KV_DTYPES
 
 
 class KVCache(NamedTuple):
@@ -45,8 +47,9 @@ class PagedKVCache(NamedTuple):
     """The engine's page pool, every layer's pages stacked in one `[L, P, Z, 2K, H]` array
     (page p is the same slot of the same tokens in every layer), plus the step's `PagedBatch`.
 
-    An int8 pool also holds float32 scales `[L, P, Z, 2K]`: one scale per token and
-    (interleaved) key or value head over head_dim, symmetric absmax / 127
+    An 8-bit pool (int8, float8_e4m3fn or float8_e5m2 pages: `kv_cache_dtype` "int8",
+    "fp8_e4m3", "fp8_e5m2") also holds float32 scales `[L, P, Z, 2K]`: one scale per token and
+    (interleaved) key or value head over head_dim, symmetric absmax / the dtype's max
     (`pallas_kernels.ragged_paged_attention.write_to_quantized_pages`). Layer l reads and
     writes `pages[l]` through the ops' `layer=` index, never a slice of the pool.
     """
@@ -58,13 +61,15 @@ class PagedKVCache(NamedTuple):
     @classmethod
     def create(cls, config: ModelConfig, num_pages: int, page_size: int,
                batch: PagedBatch, dtype: str | None = None) -> PagedKVCache:
-        """Allocates a zeroed pool of `num_pages` pages per layer; `dtype="int8"` gives the
-        quantized pool with its scales."""
+        """Allocates a zeroed pool of `num_pages` pages per layer; `dtype` "int8", "fp8_e4m3"
+        or "fp8_e5m2" (`jaxinfer.kv_formats.SCALED_KV_DTYPES`) gives the quantized pool with
+        its scales."""
         shape = (config.num_layers, num_pages, page_size, 2 * config.num_kv_heads,
                  config.head_dim)  # [L, P, Z, 2K, H]
-        cache_dtype = dtype_of(dtype or config.dtype)
+        name = dtype or config.dtype
+        cache_dtype = dtype_of(SCALED_KV_DTYPES.get(name, name))
         scales = None
-        if cache_dtype == jnp.int8:
+        if cache_dtype in QUANTIZED_KV_DTYPES:
             scales = jnp.zeros(shape[:4], jnp.float32)  # [L, P, Z, 2K]
         return cls(jnp.zeros(shape, cache_dtype), batch, scales)
 
