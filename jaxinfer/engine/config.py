@@ -369,6 +369,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+        if self.cache.is_kivi and self.speculative is not None:
+            # A rejected draft that filled a page would leave it quantized with the draft's
+            # keys, and full KIVI pages are never rewritten.
+            raise _scheduler_error("kv_cache_dtype", self.cache.kv_cache_dtype,
+                                   "KIVI pools do not take speculative decoding")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, ignore: Collection[str] = (),

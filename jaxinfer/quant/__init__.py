@@ -21,7 +21,12 @@ from jaxinfer.quant.fake_quant import (
     simulate,
 )
 from jaxinfer.quant.gptq import gptq_quantize, gptq_quantize_model
-from jaxinfer.quant.kv_cache import int8_round_trip, kv_bytes_per_token, scaled_round_trip
+from jaxinfer.quant.kv_cache import (
+    int8_round_trip,
+    kivi_round_trip,
+    kv_bytes_per_token,
+    scaled_round_trip,
+)
 from jaxinfer.quant.linear import (
     LinearSite,
     QuantizedLinear,
@@ -49,6 +54,7 @@ __all__ = [
     "gptq_quantize_model",
     "int8_round_trip",
     "is_quantized_checkpoint",
+    "kivi_round_trip",
     "kv_bytes_per_token",
     "linear_sites",
     "linear_weight_bytes",

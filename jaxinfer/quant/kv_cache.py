@@ -9,6 +9,12 @@ byte an element with one float32 scale, symmetric absmax / the dtype's max over 
 
     rounded = with_activation_hooks(model, ActivationHooks(keys_values=int8_round_trip))
     generate(rounded, prompts, ...)
+
+KIVI's pools ("int4", "int2") round keys per channel over a page of tokens and values per token
+in channel groups, and keep the partial last page exact, so their rounding depends on where a
+token sits in its sequence: `kivi_round_trip` gives it for whole sequences from position 0 (a
+`key_value_pair` hook of a cache-free forward, e.g. `perplexity`'s default path, equals the
+paged path's single prefill per window), with a residual window to vary.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_formats import SCALED_KV_DTYPES, bytes_per_head_token
+from jaxinfer.kv_formats import KIVI_BITS, SCALED_KV_DTYPES, bytes_per_head_token, kivi_value_group
+from pallas_kernels.ragged_paged_attention.kivi import dequantize, quantize_pages
 from pallas_kernels.ragged_paged_attention.reference import dequantize_pages, quantize_kv_rows
 
 
@@ -56,6 +63,57 @@ def scaled_round_trip(kv_cache_dtype: str) -> Callable[[jax.Array], jax.Array]:
     if kv_cache_dtype not in SCALED_KV_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: one of {tuple(SCALED_KV_DTYPES)}")
     return functools.partial(_scaled_round_trip, dtype=SCALED_KV_DTYPES[kv_cache_dtype])
+
+
+def _kivi_round_trip(keys: jax.Array, values: jax.Array, bits: int, page_size: int,
+                     residual: int) -> tuple[jax.Array, jax.Array]:
+    batch, length, num_kv_heads, head_dim = keys.shape
+    # KIVI keeps the newest `length % residual` tokens exact (none with residual 0).
+    rounded_length = length - length % residual if residual else length
+    padded = -(-length // page_size) * page_size
+    rows = jnp.stack([keys, values], axis=3).reshape(
+        batch, length, 2 * num_kv_heads, head_dim).astype(jnp.float32)  # [B, T, 2K, H]
+    # Repeating the last row fills a short last group without moving its min or max.
+    rows_padded = jnp.pad(rows, ((0, 0), (0, padded - length), (0, 0), (0, 0)), mode="edge")
+    pages = rows_padded.reshape(batch * padded // page_size, page_size, 2 * num_kv_heads,
+                                head_dim)  # [B * T'/Z, Z, 2K, H]
+    back = dequantize(*quantize_pages(pages, bits, kivi_value_group(head_dim)), bits)
+    back = back.reshape(batch, padded, 2 * num_kv_heads, head_dim)[:, :length]  # [B, T, 2K, H]
+    rounded = jnp.arange(length) < rounded_length  # [T]
+    mixed = jnp.where(rounded[None, :, None, None], back, rows)  # [B, T, 2K, H]
+    return (mixed[:, :, 0::2].astype(keys.dtype),  # [B, T, K, H]
+            mixed[:, :, 1::2].astype(values.dtype))
+
+
+def kivi_round_trip(kv_cache_dtype: str, page_size: int = 16, residual: int | None = None
+                    ) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """KIVI's rounding of whole sequences, as a `key_value_pair` hook.
+
+    The keys and values `[B, T, K, H]` of each row are a sequence from position 0: keys are
+    rounded per channel over each run of `page_size` tokens, values per token in groups of
+    `kivi_value_group(H)` channels (the engine's pool rounds exactly so), except the newest
+    `T % residual` tokens, kept exact (KIVI's residual window).
+
+    Args:
+        kv_cache_dtype: "int4" or "int2".
+        page_size: Tokens per key group (the engine's page size).
+        residual: The residual window, a multiple of `page_size`; None: `page_size`, what
+            the engine's pool keeps (its partial last page); 0: every token rounded (a short
+            last group rounds on its own).
+
+    Returns:
+        `(keys, values) -> (keys, values)`, shapes and dtypes kept.
+
+    Raises:
+        ValueError: Not a KIVI format, or a residual that is not a multiple of the page.
+    """
+    if kv_cache_dtype not in KIVI_BITS:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: one of {tuple(KIVI_BITS)}")
+    residual = page_size if residual is None else residual
+    if residual < 0 or residual % page_size:
+        raise ValueError(f"residual {residual}: a multiple of the page size {page_size}")
+    return functools.partial(_kivi_round_trip, bits=KIVI_BITS[kv_cache_dtype],
+                             page_size=page_size, residual=residual)
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_cache_dtype: str | None = None,
