@@ -80,8 +80,16 @@ def ragged_paged_attention(
     `residual_slots` `[Q]` (`kivi.py`).
 
     Raises:
-        ValueError: An unknown implementation.
+        ValueError: An unknown implementation, or the Pallas kernel asked to read a KIVI
+            pool (which it does not yet; "auto" reads one with the XLA path everywhere).
     """
+    if isinstance(kv_scales, KiviPool):
+        # The Pallas kernel does not read KIVI pools yet: "auto" takes the XLA path there too.
+        if implementation in ("pallas", "interpret"):
+            raise ValueError(f"implementation={implementation!r}: the Pallas kernel does not "
+                             "read KIVI (int4/int2) pools yet; use 'xla' or 'reference'")
+        if implementation == "auto":
+            implementation = "xla"
     choice = dispatch.resolve(implementation)
     arguments = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if choice in ("pallas", "interpret"):
