@@ -2,11 +2,11 @@
 
 Each case describes one call of a public op by sizes only and compiles it, through
 `pallas_kernels.aot.compile_for`, with the op forced to its Pallas kernel. `MATRIX` is the
-whole table, 84 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
+whole table, 88 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
 `aot.TOPOLOGIES`), and so does `make tpu-check`, in CI.
 
-Ragged paged attention. The dimensions are KV dtype (bf16, int8; fp8 e4m3 and e5m2 on the two
-base batches only, as they take int8's path), batch (decode-only, mixed
+Ragged paged attention. The dimensions are KV dtype (bf16, int8; fp8 e4m3 and e5m2 and KIVI
+int4 and int2 on the two base batches only), batch (decode-only, mixed
 prefill), sliding window, soft-cap, GQA ratio (query heads per KV head: 1, 4, 8), head dim (64,
 128, 256), page size (16, 32, 64, 128) and KV heads per chip (8, 2, 1). Their full product
 is 1728 programs per chip, too many for CI, and the kernel's code paths do not interact that
@@ -66,6 +66,8 @@ class AttentionCase:
     int8_kv: bool = False
     # "float8_e4m3fn" / "float8_e5m2": fp8 pages with the int8 pool's scales (same copy path).
     fp8_kv: str | None = None
+    # 4 or 2: a KIVI pool (packed codes, its KiviPool and residual seats; `kivi_kernel.py`).
+    kivi_bits: int | None = None
     sliding_window: int | None = None
     soft_cap: float | None = None
 
@@ -80,6 +82,9 @@ class AttentionCase:
     @property
     def pages_bytes(self) -> int:
         """Bytes of the `[P, Z, 2K, H]` page pool."""
+        if self.kivi_bits is not None:
+            return (self.num_pages * self.page_size * 2 * self.num_kv_heads * self.head_dim
+                    * self.kivi_bits // 8)
         return (self.num_pages * self.page_size * 2 * self.num_kv_heads * self.head_dim
                 * (1 if self.scaled_kv else 2))
 
@@ -109,13 +114,42 @@ class AttentionCase:
             arguments.append(jax.ShapeDtypeStruct(
                 (self.num_pages, self.page_size, 2 * self.num_kv_heads),
                 jnp.float32))  # [P, Z, 2K]
+        if self.kivi_bits is not None:
+            pages, heads = (self.num_pages,), self.num_kv_heads
+            groups = self.head_dim // min(32, self.head_dim)
+            arguments[1] = jax.ShapeDtypeStruct(
+                (*pages, self.page_size, 2 * heads, self.head_dim * self.kivi_bits // 8),
+                jnp.uint8)  # [P, Z, 2K, H * bits / 8]
+            arguments += [
+                jax.ShapeDtypeStruct((*pages, heads, self.head_dim), jnp.float16),  # [P, K, H]
+                jax.ShapeDtypeStruct((*pages, heads, self.head_dim), jnp.float16),
+                jax.ShapeDtypeStruct((*pages, self.page_size, heads, groups),
+                                     jnp.float16),  # [P, Z, K, H/g]
+                jax.ShapeDtypeStruct((*pages, self.page_size, heads, groups), jnp.float16),
+                jax.ShapeDtypeStruct((self.max_seqs, self.page_size, 2 * heads, self.head_dim),
+                                     jnp.float32),  # [R, Z, 2K, H] residual seats
+                jax.ShapeDtypeStruct((self.max_seqs,), jnp.int32),  # [Q] seats
+            ]
         return arguments
 
     def compile(self, topology: str) -> AotResult:
         """Compiles the public op (forced to the Pallas kernel) for `topology`."""
-        return compile_for(topology, _attention, self.arguments(), static_kwargs=dict(
+        function = _attention if self.kivi_bits is None else _kivi_attention
+        return compile_for(topology, function, self.arguments(), static_kwargs=dict(
             sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
             soft_cap=self.soft_cap))
+
+
+def _kivi_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, key_scales,
+                    key_zeros, value_scales, value_zeros, residual, residual_slots, *,
+                    sm_scale, sliding_window, soft_cap):
+    from pallas_kernels.ragged_paged_attention import KiviPool, ragged_paged_attention
+
+    return ragged_paged_attention(
+        queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        kv_scales=KiviPool(key_scales, key_zeros, value_scales, value_zeros, residual),
+        residual_slots=residual_slots, implementation="pallas")
 
 
 def _attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None,
@@ -160,6 +194,9 @@ ATTENTION_CASES: tuple[AttentionCase, ...] = (
     *(AttentionCase(f"{batch}-{label}", **_BATCHES[batch], fp8_kv=dtype)
       for batch in ("decode", "mixed")
       for label, dtype in (("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"))),
+    # KIVI's own kernel (packed codes, per-page scales, a residual seat per sequence).
+    *(AttentionCase(f"{batch}-int{bits}-kivi", **_BATCHES[batch], kivi_bits=bits)
+      for batch in ("decode", "mixed") for bits in (4, 2)),
 )
 
 

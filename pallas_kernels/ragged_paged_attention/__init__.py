@@ -3,8 +3,9 @@
 The page layout and the ragged-batch description are documented in `reference.py`.
 Implementations (chosen by `implementation=`, see `pallas_kernels.dispatch`):
 
-- "pallas" / "interpret": the Pallas TPU kernel (`kernel.py`; pages copied HBM -> VMEM
-  asynchronously, double-buffered, online softmax in f32), compiled on TPU or interpreted;
+- "pallas" / "interpret": the Pallas TPU kernel (`kernel.py`; `kivi_kernel.py` for KIVI
+  pools; pages copied HBM -> VMEM asynchronously, double-buffered, online softmax in f32),
+  compiled on TPU or interpreted;
 - "xla": streams over pages with merged softmax statistics, no per-token gathers (`xla.py`),
   the default off-TPU; on XLA:CPU its decode walk is a C++ kernel (`cpu.py`, built on first
   use);
@@ -25,6 +26,7 @@ from pallas_kernels.ragged_paged_attention.kivi import (
     dequantize_pool,
     write_to_kivi_pages,
 )
+from pallas_kernels.ragged_paged_attention.kivi_kernel import ragged_paged_attention_kivi_kernel
 from pallas_kernels.ragged_paged_attention.reference import (
     QUANTIZED_KV_DTYPES,
     dequantize_pages,
@@ -80,22 +82,20 @@ def ragged_paged_attention(
     `residual_slots` `[Q]` (`kivi.py`).
 
     Raises:
-        ValueError: An unknown implementation, or the Pallas kernel asked to read a KIVI
-            pool (which it does not yet; "auto" reads one with the XLA path everywhere).
+        ValueError: An unknown implementation.
     """
-    if isinstance(kv_scales, KiviPool):
-        # The Pallas kernel does not read KIVI pools yet: "auto" takes the XLA path there too.
-        if implementation in ("pallas", "interpret"):
-            raise ValueError(f"implementation={implementation!r}: the Pallas kernel does not "
-                             "read KIVI (int4/int2) pools yet; use 'xla' or 'reference'")
-        if implementation == "auto":
-            implementation = "xla"
     choice = dispatch.resolve(implementation)
     arguments = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if choice in ("pallas", "interpret"):
         page_size = kv_pages.shape[1 if layer is None else 2]
         block_tokens, pages_per_block = block_sizes(queries.shape[0], page_size,
                                                     queries.shape[2])
+        if isinstance(kv_scales, KiviPool):
+            return ragged_paged_attention_kivi_kernel(
+                *arguments, sm_scale=sm_scale, kv_scales=kv_scales,
+                residual_slots=residual_slots, sliding_window=sliding_window,
+                soft_cap=soft_cap, layer=layer, block_tokens=block_tokens,
+                pages_per_block=pages_per_block, interpret=dispatch.interpret_mode(choice))
         return ragged_paged_attention_kernel(
             *arguments, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             kv_scales=kv_scales, layer=layer, block_tokens=block_tokens,

@@ -152,7 +152,7 @@ def _kivi_case(rng, bits, query_lens, context_lens, pages_per_seq):
                                                                              np.int32))
 
 
-@pytest.mark.parametrize("implementation", ["reference", "xla"])
+@pytest.mark.parametrize("implementation", ["reference", "xla", "interpret"])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_kivi_pool_equals_its_dequantized_float_pool(implementation, bits):
     rng = np.random.default_rng(10 + bits)
@@ -189,17 +189,3 @@ def test_kivi_attention_is_close_to_float_attention(bits, tolerance):
     exact, approximate = np.asarray(exact), np.asarray(approximate)
     relative = np.abs(approximate - exact).max() / np.abs(exact).max()
     assert 0 < relative < tolerance, relative
-
-
-def test_the_pallas_kernel_refuses_a_kivi_pool_and_auto_reads_it_with_xla():
-    rng = np.random.default_rng(5)
-    queries, pages, pool, batch, seats = _kivi_case(rng, 4, [1, 3], [6, 4], 3)
-    arguments = (queries, pages, *batch)
-    with pytest.raises(ValueError, match="does not read KIVI"):
-        ragged_paged_attention(*arguments, sm_scale=0.3, layer=1, kv_scales=pool,
-                               residual_slots=seats, implementation="interpret")
-    np.testing.assert_array_equal(
-        np.asarray(ragged_paged_attention(*arguments, sm_scale=0.3, layer=1, kv_scales=pool,
-                                          residual_slots=seats)),
-        np.asarray(ragged_paged_attention(*arguments, sm_scale=0.3, layer=1, kv_scales=pool,
-                                          residual_slots=seats, implementation="xla")))
