@@ -13,8 +13,8 @@ For each KV cache dtype (fp32, int8, fp8_e4m3, fp8_e5m2, KIVI int4 and int2):
   token per step through the paged path (a query sees the pages completed before it
   rounded and its own partial page exact, as in serving), at page sizes 8 to 64 (the page is
   both the key group and the residual window: the newest `kv_len % Z` tokens stay exact),
-  against the same stream with a float cache; and "no residual" = the prefill rows, where a
-  query's own page is rounded once it is complete;
+  against the same stream with a float cache (the prefill rows above are the other extreme:
+  there a query's own page is rounded as soon as the prefill completes it);
 - `decode_tokens_per_second`: engine decode tok/s at batch 64 per dtype (`--decode`; a timing
   run wants a quiet machine).
 
@@ -158,7 +158,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tokens = validation_tokens(Path(args.corpus), args.model, args.ppl_tokens + 1)
     pool_bytes = args.pool_mib * 2 ** 20
     rows = []
-    for name in DTYPES:
+    for name in [name for name in args.dtypes.split(",") if name]:
         started = time.perf_counter()
         ppl = {context: perplexity(model, tokens, window=context, batch_size=args.batch_size,
                                    kv_cache_dtype=name).ppl for context in contexts}
@@ -175,8 +175,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         args.stream_windows, args.stream_context)  # [B, T]
     prefix = args.stream_context // 2
     float_nll, count = streamed_nll(model, windows, "float32", 16, prefix)
-    for name in ("int4", "int2"):
-        for page_size in (8, 16, 32, 64):
+    for name in [name for name in args.stream_dtypes.split(",") if name]:
+        for page_size in (int(size) for size in args.stream_pages.split(",")):
             nll, _ = streamed_nll(model, windows, name, page_size, prefix)
             entry = {"name": name, "page_size": page_size, "ppl": math.exp(nll / count),
                      "float_ppl": math.exp(float_nll / count), "tokens": count}
@@ -197,7 +197,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(results: dict[str, Any], command: str) -> str:
     rows = results["rows"]
     contexts = results["contexts"]
-    base = rows[0]
     machine = results["machine"]
     windows, context, prefix = results["stream"]
     lines = [
@@ -214,10 +213,15 @@ def markdown(results: dict[str, Any], command: str) -> str:
         "also holds a float32 residual page per running sequence (listed apart, and counted "
         f"in the capacity column: 2048-token sequences in a {results['pool_mib']} MiB pool).",
         "",
-        "| KV dtype | " + " | ".join(f"PPL @ {c} | / fp32" for c in contexts)
-        + " | bytes / token | / fp32 | residual bytes / seq | 2k seqs in pool |",
-        "| --- | " + " | ".join("---: | ---:" for _ in contexts) + " | ---: | ---: | ---: | ---: |",
     ]
+    if rows:
+        lines += [
+            "| KV dtype | " + " | ".join(f"PPL @ {c} | / fp32" for c in contexts)
+            + " | bytes / token | / fp32 | residual bytes / seq | 2k seqs in pool |",
+            "| --- | " + " | ".join("---: | ---:" for _ in contexts)
+            + " | ---: | ---: | ---: | ---: |",
+        ]
+    base = rows[0] if rows else None
     for row in rows:
         cells = " | ".join(f"{row['ppl'][c]:.3f} | {row['ppl'][c] / base['ppl'][c]:.4f}"
                            for c in contexts)
@@ -252,11 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", default="data/corpus",
                         help="corpus directory (built from python3.11-doc if missing)")
     parser.add_argument("--contexts", default="512,2048")
-    parser.add_argument("--ppl-tokens", type=int, default=16384)
+    parser.add_argument("--ppl-tokens", type=int, default=8192,
+                        help="held-out tokens scored per context (16384: ~2x the time)")
     parser.add_argument("--batch-size", type=int, default=4, help="windows per forward")
     parser.add_argument("--pool-mib", type=int, default=256)
-    parser.add_argument("--stream-windows", type=int, default=8)
+    parser.add_argument("--stream-windows", type=int, default=4)
     parser.add_argument("--stream-context", type=int, default=256)
+    parser.add_argument("--dtypes", default=",".join(DTYPES),
+                        help="KV dtypes of the PPL table (the first is the baseline)")
+    parser.add_argument("--stream-dtypes", default="int4,int2")
+    parser.add_argument("--stream-pages", default="8,16,32,64")
     parser.add_argument("--decode", action="store_true", help="also time decode (quiet machine)")
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--json", help="also write the numbers here")
