@@ -47,6 +47,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxinfer.kv_formats import KV_CACHE_DTYPES
+
 
 class CommandError(Exception):
     """A user-facing error: printed without a traceback, exit status 2."""
@@ -554,7 +556,8 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="score only the first N tokens of the text")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
-    parser.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "int8"),
+    parser.add_argument("--kv-cache-dtype",
+                        choices=("float32", "bfloat16", *KV_CACHE_DTYPES[1:]),
                         default=None,
                         help="score through a paged KV cache of this dtype, as the engine "
                              "runs (default: no cache, keys at compute precision)")

@@ -23,9 +23,10 @@ import dataclasses
 import math
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv_formats import bytes_per_head_token
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
-KV_FORMATS = ("bf16", "int8")
+KV_FORMATS = ("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
 GIB = 1 << 30
 
 
@@ -120,9 +121,11 @@ def kv_heads_per_chip(config: ModelConfig, tensor_parallel: int) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_format: str = "bf16",
-                       tensor_parallel: int = 1) -> int:
+                       tensor_parallel: int = 1, page_size: int = 16) -> int:
     """Bytes one token of context takes in one chip's KV cache (K and V of every layer with a
-    cache: `config.num_cache_layers`, HARP blocks having none).
+    cache: `config.num_cache_layers`, HARP blocks having none), scales
+    and zero points included, rounded up (KIVI's per-page key scales divide over `page_size`
+    tokens; its float32 residual pool of one page per running sequence is not counted).
 
     Raises:
         ValueError: An unknown format.
@@ -130,8 +133,9 @@ def kv_bytes_per_token(config: ModelConfig, kv_format: str = "bf16",
     if kv_format not in KV_FORMATS:
         raise ValueError(f"unknown KV format {kv_format!r}; known: {KV_FORMATS}")
     heads = kv_heads_per_chip(config, tensor_parallel)
-    per_head = 2 * config.head_dim if kv_format == "bf16" else config.head_dim + 4
-    return config.num_cache_layers * 2 * heads * per_head
+    per_head = bytes_per_head_token(None if kv_format == "bf16" else kv_format,
+                                    config.head_dim, page_size, float_dtype="bfloat16")
+    return math.ceil(config.num_cache_layers * heads * per_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +172,7 @@ def plan(config: ModelConfig, accelerator: Accelerator, *, tensor_parallel: int 
         accelerator: The slice.
         tensor_parallel: Chips one replica spans; defaults to the whole slice.
         weight_format: "bf16", "int8" or "int4" for the block linears.
-        kv_format: "bf16" or "int8".
+        kv_format: One of `KV_FORMATS`: "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2".
         group_size: int4 group size.
         reserved_fraction: Share of each chip's memory kept out of the KV budget.
 

@@ -80,9 +80,10 @@ def paged_logits(model: Transformer, inputs: jax.Array, kv_cache_dtype: str) -> 
         kv_lens=jnp.full((rows,), length, jnp.int32),  # [B]
         page_indices=page_indices,
         cu_q_lens=length * jnp.arange(rows + 1, dtype=jnp.int32),  # [B + 1]
-        num_seqs=jnp.asarray([rows], jnp.int32))
+        num_seqs=jnp.asarray([rows], jnp.int32),
+        residual_slots=jnp.arange(rows, dtype=jnp.int32))  # [B]; used by KIVI pools only
     cache = PagedKVCache.create(model.config, 1 + rows * pages_per_row, PAGE_SIZE, batch,
-                                dtype=kv_cache_dtype)
+                                dtype=kv_cache_dtype, num_residual=rows)
     positions = jnp.tile(offsets, rows)[None]  # [1, B * T]
     hidden, _ = model.hidden_states(inputs.reshape(1, -1), positions, cache)  # [1, B*T, D]
     return model.logits(hidden).reshape(rows, length, -1)  # [B, T, V]
@@ -99,8 +100,10 @@ def perplexity(model: Transformer, token_ids: Sequence[int] | np.ndarray, *, win
         window: Tokens per forward pass.
         stride: Tokens between window starts; default `window` (disjoint windows).
         batch_size: Windows per forward pass (all padded to `window`: one compilation).
-        kv_cache_dtype: None runs without a cache; a dtype ("float32", "bfloat16", "int8")
-            runs every window through a paged KV cache of that dtype.
+        kv_cache_dtype: None runs without a cache; a dtype ("float32", "bfloat16", "int8",
+            "fp8_e4m3", "fp8_e5m2", KIVI's "int4" / "int2") runs every window through a paged
+            KV cache of that dtype (one prefill per window: KIVI's residual is the window's
+            partial last page).
 
     Returns:
         The perplexity, the number of scored tokens and their total NLL.

@@ -2,10 +2,11 @@
 
 Each case describes one call of a public op by sizes only and compiles it, through
 `pallas_kernels.aot.compile_for`, with the op forced to its Pallas kernel. `MATRIX` is the
-whole table, 80 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
+whole table, 88 cases (`benchmarks/tpu_kernels.py` compiles it for every chip of
 `aot.TOPOLOGIES`), and so does `make tpu-check`, in CI.
 
-Ragged paged attention. The dimensions are KV dtype (bf16, int8), batch (decode-only, mixed
+Ragged paged attention. The dimensions are KV dtype (bf16, int8; fp8 e4m3 and e5m2 and KIVI
+int4 and int2 on the two base batches only), batch (decode-only, mixed
 prefill), sliding window, soft-cap, GQA ratio (query heads per KV head: 1, 4, 8), head dim (64,
 128, 256), page size (16, 32, 64, 128) and KV heads per chip (8, 2, 1). Their full product
 is 1728 programs per chip, too many for CI, and the kernel's code paths do not interact that
@@ -63,6 +64,10 @@ class AttentionCase:
     tokens_per_seq: int = 512  # pages_per_seq * page_size: the longest context
     pool_tokens: int = 16384  # P * Z: the page pool's capacity in tokens
     int8_kv: bool = False
+    # "float8_e4m3fn" / "float8_e5m2": fp8 pages with the int8 pool's scales (same copy path).
+    fp8_kv: str | None = None
+    # 4 or 2: a KIVI pool (packed codes, its KiviPool and residual seats; `kivi_kernel.py`).
+    kivi_bits: int | None = None
     sliding_window: int | None = None
     soft_cap: float | None = None
 
@@ -77,14 +82,24 @@ class AttentionCase:
     @property
     def pages_bytes(self) -> int:
         """Bytes of the `[P, Z, 2K, H]` page pool."""
+        if self.kivi_bits is not None:
+            return (self.num_pages * self.page_size * 2 * self.num_kv_heads * self.head_dim
+                    * self.kivi_bits // 8)
         return (self.num_pages * self.page_size * 2 * self.num_kv_heads * self.head_dim
-                * (1 if self.int8_kv else 2))
+                * (1 if self.scaled_kv else 2))
+
+    @property
+    def scaled_kv(self) -> bool:
+        """Whether the pages are 8-bit with a float32 scale per token and head."""
+        return self.int8_kv or self.fp8_kv is not None
 
     def arguments(self) -> list[jax.ShapeDtypeStruct]:
-        """The public op's array arguments (kv_scales last, when int8)."""
+        """The public op's array arguments (kv_scales last, when int8 or fp8)."""
         import jax.numpy as jnp
 
         pages_dtype = jnp.int8 if self.int8_kv else jnp.bfloat16
+        if self.fp8_kv is not None:
+            pages_dtype = jnp.dtype(self.fp8_kv)
         arguments = [
             jax.ShapeDtypeStruct((self.num_tokens, self.num_kv_heads * self.group,
                                   self.head_dim), jnp.bfloat16),  # [T, N, H]
@@ -95,17 +110,46 @@ class AttentionCase:
             jax.ShapeDtypeStruct((self.max_seqs + 1,), jnp.int32),  # [Q + 1]
             jax.ShapeDtypeStruct((1,), jnp.int32),
         ]
-        if self.int8_kv:
+        if self.scaled_kv:
             arguments.append(jax.ShapeDtypeStruct(
                 (self.num_pages, self.page_size, 2 * self.num_kv_heads),
                 jnp.float32))  # [P, Z, 2K]
+        if self.kivi_bits is not None:
+            pages, heads = (self.num_pages,), self.num_kv_heads
+            groups = self.head_dim // min(32, self.head_dim)
+            arguments[1] = jax.ShapeDtypeStruct(
+                (*pages, self.page_size, 2 * heads, self.head_dim * self.kivi_bits // 8),
+                jnp.uint8)  # [P, Z, 2K, H * bits / 8]
+            arguments += [
+                jax.ShapeDtypeStruct((*pages, heads, self.head_dim), jnp.float16),  # [P, K, H]
+                jax.ShapeDtypeStruct((*pages, heads, self.head_dim), jnp.float16),
+                jax.ShapeDtypeStruct((*pages, self.page_size, heads, groups),
+                                     jnp.float16),  # [P, Z, K, H/g]
+                jax.ShapeDtypeStruct((*pages, self.page_size, heads, groups), jnp.float16),
+                jax.ShapeDtypeStruct((self.max_seqs, self.page_size, 2 * heads, self.head_dim),
+                                     jnp.float32),  # [R, Z, 2K, H] residual seats
+                jax.ShapeDtypeStruct((self.max_seqs,), jnp.int32),  # [Q] seats
+            ]
         return arguments
 
     def compile(self, topology: str) -> AotResult:
         """Compiles the public op (forced to the Pallas kernel) for `topology`."""
-        return compile_for(topology, _attention, self.arguments(), static_kwargs=dict(
+        function = _attention if self.kivi_bits is None else _kivi_attention
+        return compile_for(topology, function, self.arguments(), static_kwargs=dict(
             sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
             soft_cap=self.soft_cap))
+
+
+def _kivi_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, key_scales,
+                    key_zeros, value_scales, value_zeros, residual, residual_slots, *,
+                    sm_scale, sliding_window, soft_cap):
+    from pallas_kernels.ragged_paged_attention import KiviPool, ragged_paged_attention
+
+    return ragged_paged_attention(
+        queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        kv_scales=KiviPool(key_scales, key_zeros, value_scales, value_zeros, residual),
+        residual_slots=residual_slots, implementation="pallas")
 
 
 def _attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None,
@@ -146,6 +190,13 @@ ATTENTION_CASES: tuple[AttentionCase, ...] = (
     *(AttentionCase(f"mixed-{_kv_label(int8)}-{label}", **_BATCHES["mixed"], int8_kv=int8,
                     **fields)
       for label, fields in _ATTENTION_VARIATIONS for int8 in (False, True)),
+    # fp8 pages share int8's copy path and scales; only the widening differs.
+    *(AttentionCase(f"{batch}-{label}", **_BATCHES[batch], fp8_kv=dtype)
+      for batch in ("decode", "mixed")
+      for label, dtype in (("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"))),
+    # KIVI's own kernel (packed codes, per-page scales, a residual seat per sequence).
+    *(AttentionCase(f"{batch}-int{bits}-kivi", **_BATCHES[batch], kivi_bits=bits)
+      for batch in ("decode", "mixed") for bits in (4, 2)),
 )
 
 

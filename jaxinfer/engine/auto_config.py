@@ -95,8 +95,8 @@ def auto_engine_options(model: ModelConfig, options: Mapping[str, Any] | None = 
         return options
     page_size = options.get("page_size", 16)
     tensor_parallel = options.get("tensor_parallel_size", 1)
-    kv_format = "int8" if options.get("kv_cache_dtype") == "int8" else "bf16"
-    token_bytes = kv_bytes_per_token(model, kv_format, tensor_parallel)
+    kv_format = options.get("kv_cache_dtype") or "bf16"
+    token_bytes = kv_bytes_per_token(model, kv_format, tensor_parallel, page_size)
     if kv_format == "bf16" and (options.get("cache_dtype") or model.dtype) == "float32":
         token_bytes *= 2
     share = CPU_POOL_SHARE if cpu else ACCELERATOR_POOL_SHARE

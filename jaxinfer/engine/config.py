@@ -36,9 +36,9 @@ from typing import Any
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.limits import RequestLimits
+from jaxinfer.kv_formats import KIVI_BITS, KV_CACHE_DTYPES
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-KV_CACHE_DTYPES = (None, "int8")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -73,8 +73,10 @@ class CacheConfig:
             `max_num_seqs` sequences of `max_model_len` tokens.
         enable_prefix_caching: Share the KV pages of identical full prompt blocks.
         cache_dtype: KV page dtype; None means the model's compute dtype.
-        kv_cache_dtype: "int8" quantizes the KV cache (int8 pages, one float32 scale per
-            token and KV head); None keeps `cache_dtype`.
+        kv_cache_dtype: A quantized KV cache (`jaxinfer.kv_formats`): "int8", "fp8_e4m3" or
+            "fp8_e5m2" (one byte an element, one float32 scale per token and KV head), or
+            KIVI's "int4" / "int2" (keys per channel over a page, values per token in groups,
+            the newest partly filled page in float32); None keeps `cache_dtype`.
         kv_offload_bytes: Host memory for the host KV tier (`jaxinfer.engine.host.
             host_block_pool`): prefix-cache blocks the device pool evicts are copied there and
             copied back on a later prefix hit instead of being recomputed. 0 turns it off.
@@ -99,7 +101,10 @@ class CacheConfig:
         default=None, metadata=_help("KV page dtype (default: the model's compute dtype)",
                                      choices=("float32", "bfloat16")))
     kv_cache_dtype: str | None = dataclasses.field(
-        default=None, metadata=_help("'int8' quantizes the KV cache", choices=("int8",)))
+        default=None, metadata=_help(
+            "quantize the KV cache: int8, fp8_e4m3, fp8_e5m2 (scale per token and head), or "
+            "KIVI int4 / int2 (keys per channel, values per token, newest page in float32)",
+            choices=KV_CACHE_DTYPES[1:]))
     kv_offload_bytes: int = dataclasses.field(
         default=0, metadata=_help("host memory (bytes) for KV blocks evicted from the device "
                                   "pool, copied back on a prefix hit (0: off)"))
@@ -118,10 +123,12 @@ class CacheConfig:
             raise _scheduler_error("enable_prefix_caching", self.enable_prefix_caching,
                                    "must be a bool")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype = {self.kv_cache_dtype!r}: None or 'int8'")
+            raise _scheduler_error("kv_cache_dtype", self.kv_cache_dtype,
+                                   f"must be None or one of {KV_CACHE_DTYPES[1:]}")
         if self.kv_cache_dtype is not None and self.cache_dtype is not None:
-            raise ValueError(f"give cache_dtype ({self.cache_dtype!r}) or kv_cache_dtype "
-                             f"({self.kv_cache_dtype!r}), not both")
+            raise _scheduler_error("kv_cache_dtype", self.kv_cache_dtype,
+                                   f"give cache_dtype ({self.cache_dtype!r}) or "
+                                   f"kv_cache_dtype ({self.kv_cache_dtype!r}), not both")
         if (not isinstance(self.kv_offload_bytes, int) or isinstance(self.kv_offload_bytes, bool)
                 or self.kv_offload_bytes < 0):
             raise _scheduler_error("kv_offload_bytes", self.kv_offload_bytes,
@@ -130,6 +137,13 @@ class CacheConfig:
             raise _scheduler_error("kv_offload_bytes", self.kv_offload_bytes,
                                    "the host KV tier keeps evicted prefix-cache blocks, so it "
                                    "needs enable_prefix_caching")
+        if self.kv_offload_bytes and self.is_kivi:
+            # The host tier copies whole pages; a KIVI request's newest tokens live in its
+            # float residual seat, which is not a page and is not carried to the host.
+            raise _scheduler_error("kv_offload_bytes", self.kv_offload_bytes,
+                                   f"the host KV tier does not carry KIVI's residual pages; "
+                                   f"use it with kv_cache_dtype None, int8 or fp8, not "
+                                   f"{self.kv_cache_dtype!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise _scheduler_error("preemption_mode", self.preemption_mode,
                                    f"must be one of {PREEMPTION_MODES}")
@@ -140,8 +154,14 @@ class CacheConfig:
 
     @property
     def page_dtype(self) -> str | None:
-        """What the page pool stores: "int8", a float dtype, or None (the model's)."""
+        """What the page pool stores: a `kv_cache_dtype` ("int8", "fp8_e4m3", "int4", ...),
+        a float dtype, or None (the model's)."""
         return self.kv_cache_dtype or self.cache_dtype
+
+    @property
+    def is_kivi(self) -> bool:
+        """Whether the pool is KIVI's (int4 / int2), with a float32 residual pool."""
+        return self.kv_cache_dtype in KIVI_BITS
 
     def pages_per_sequence(self, max_model_len: int) -> int:
         """Pages one `max_model_len` sequence needs."""
@@ -392,6 +412,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+        if self.cache.is_kivi and self.speculative is not None:
+            # A rejected draft that filled a page would leave it quantized with the draft's
+            # keys, and full KIVI pages are never rewritten.
+            raise _scheduler_error("kv_cache_dtype", self.cache.kv_cache_dtype,
+                                   "KIVI pools do not take speculative decoding")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, ignore: Collection[str] = (),

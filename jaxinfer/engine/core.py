@@ -337,6 +337,7 @@ class Engine:
         if sample_ids:
             self._deferred.pop(sample_ids[0], None)
         self.scheduler.abort_requests(sample_ids)
+        self.runner.release(sample_ids)
         if self.proposer is not None:
             self.proposer.release(sample_ids)
         if self.spec_controller is not None:
@@ -405,6 +406,8 @@ class Engine:
             self.scheduler.abort_request(sample_id)  # a stop string matched, or it failed
         for sample_id in failed:
             self._deferred.pop(sample_id, None)
+        if finished or stopped:
+            self.runner.release([*finished, *stopped])  # a KIVI pool's residual seats
         if self.proposer is not None and finished:
             self.proposer.release(finished)
         if controller is not None and finished:

@@ -17,12 +17,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.hooks import ActivationHooks, cached_key_value, linear_input
+from jaxinfer.models.hooks import ActivationHooks, cached_keys_values, linear_input
 from jaxinfer.models.layers import dtype_of, make_linear, make_param
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import active_axis, constrain
 from pallas_kernels.ragged_paged_attention import (
+    KiviPool,
     ragged_paged_attention,
+    write_to_kivi_pages,
     write_to_pages,
     write_to_quantized_pages,
 )
@@ -46,6 +48,9 @@ class PagedBatch(NamedTuple):
     page_indices: jax.Array  # [Q, pages_per_seq] page table per sequence
     cu_q_lens: jax.Array  # [Q + 1] query token offsets of each sequence
     num_seqs: jax.Array  # [1] real sequences
+    # [Q] each sequence's seat in a KIVI pool's residual pool (its partial last page's exact
+    # rows); None for other pools.
+    residual_slots: jax.Array | None = None
 
 
 class PagedLayerCache(NamedTuple):
@@ -57,7 +62,8 @@ class PagedLayerCache(NamedTuple):
 
     pages: jax.Array  # [L, P, Z, 2K, H]
     batch: PagedBatch
-    scales: jax.Array | None = None  # [L, P, Z, 2K] of an int8 pool
+    # [L, P, Z, 2K] of an 8-bit pool, or a KIVI pool's `KiviPool` (one pytree)
+    scales: jax.Array | KiviPool | None = None
     layer: jax.Array | int = 0  # int32 scalar (a scan's index) or a Python int
 
 
@@ -159,7 +165,7 @@ class Attention(nnx.Module):
         keys = apply_rope(self._project(x, self.k_proj, self.k_bias), positions,
                           inv_freq)  # [B, T, K, H]
         values = self._project(x, self.v_proj, self.v_bias)  # [B, T, K, H]
-        keys, values = cached_key_value(self, keys), cached_key_value(self, values)  # [B, T, K, H]
+        keys, values = cached_keys_values(self, keys, values)  # [B, T, K, H] each
         queries = constrain(queries, ("batch", "length", "act_heads", None))
         keys = constrain(keys, ("batch", "length", "act_kv_heads", None))
         values = constrain(values, ("batch", "length", "act_kv_heads", None))
@@ -195,8 +201,10 @@ class Attention(nnx.Module):
                cache: PagedLayerCache) -> tuple[jax.Array, PagedLayerCache]:
         """Writes this step's keys and values into the pages, then ragged paged attention over them.
 
-        An int8 pool (with scales) quantizes the new rows as it writes them, and attention
-        dequantizes the rows it reads; a float pool is read in the compute dtype.
+        An 8-bit pool (with scales) quantizes the new rows as it writes them, and attention
+        dequantizes the rows it reads; a KIVI pool (scales a `KiviPool`) quantizes the pages
+        this step completes and keeps each sequence's partial last page in its residual seat
+        (`batch.residual_slots`); a float pool is read in the compute dtype.
 
         Under tensor parallelism (the active layout splits KV heads over a mesh axis of
         `shards` devices) each shard runs this on its own heads: its queries
@@ -216,25 +224,32 @@ class Attention(nnx.Module):
         else:
             heads = PartitionSpec(None, axis, None)  # [T, N|K, H]
             pool = PartitionSpec(None, None, None, axis, None)  # [L, P, Z, 2K, H]
-            scale_spec = None if cache.scales is None else PartitionSpec(None, None, None, axis)
+            scales_spec = scale_spec(cache.scales, axis)
             attended, pages, scales = jax.shard_map(
                 self._paged_local,
-                in_specs=(heads, heads, heads, pool, scale_spec, PartitionSpec(),
+                in_specs=(heads, heads, heads, pool, scales_spec, PartitionSpec(),
                           PartitionSpec()),
-                out_specs=(heads, pool, scale_spec), check_vma=False,
+                out_specs=(heads, pool, scales_spec), check_vma=False,
             )(queries[0], keys[0], values[0], cache.pages, cache.scales, layer, batch)
         out = self._output_projection(attended[None])  # [1, T, D]
         return out, PagedLayerCache(pages, batch, scales, cache.layer)
 
     def _paged_local(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
-                     pages: jax.Array, scales: jax.Array | None, layer: jax.Array,
-                     batch: PagedBatch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+                     pages: jax.Array, scales: jax.Array | KiviPool | None, layer: jax.Array,
+                     batch: PagedBatch
+                     ) -> tuple[jax.Array, jax.Array, jax.Array | KiviPool | None]:
         """`_paged` on one shard's heads: queries `[T, N, H]`, keys and values `[T, K, H]`,
-        the stacked pool `[L, P, Z, 2K, H]` (scales `[L, P, Z, 2K]`) and the layer to use;
-        returns the attention outputs `[T, N, H]` and the updated pool and scales."""
+        the stacked pool `[L, P, Z, 2K, H]` (scales `[L, P, Z, 2K]`, or a `KiviPool`) and the
+        layer to use; returns the attention outputs `[T, N, H]` and the updated pool and
+        scales."""
         if scales is None:
             pages = write_to_pages(pages, keys, values, batch.slot_mapping,
                                    layer=layer)  # [L, P, Z, 2K, H]
+        elif isinstance(scales, KiviPool):
+            pages, scales = write_to_kivi_pages(
+                pages, scales, keys, values, batch.slot_mapping, batch.kv_lens,
+                batch.cu_q_lens, batch.residual_slots,
+                layer=layer)  # [L, P, Z, 2K, H*bits/8] uint8, its KiviPool
         else:
             pages, scales = write_to_quantized_pages(
                 pages, scales, keys, values, batch.slot_mapping,
@@ -244,5 +259,21 @@ class Attention(nnx.Module):
         attended = ragged_paged_attention(
             queries, pages, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
             batch.num_seqs, sm_scale=self.config.head_dim ** -0.5,
-            sliding_window=self.sliding_window, kv_scales=scales, layer=layer)  # [T, N, H]
+            sliding_window=self.sliding_window, kv_scales=scales, layer=layer,
+            residual_slots=batch.residual_slots)  # [T, N, H]
         return attended, pages, scales
+
+
+def scale_spec(scales: jax.Array | KiviPool | None, axis: str
+                ) -> PartitionSpec | KiviPool | None:
+    """How the arrays beside the pages split over the KV-head mesh axis: the combined (or
+    KV) head axis of each, so every shard holds its own heads' scales and residual rows."""
+    if scales is None:
+        return None
+    if isinstance(scales, KiviPool):
+        return KiviPool(key_scales=PartitionSpec(None, None, axis, None),  # [L, P, K, H]
+                        key_zeros=PartitionSpec(None, None, axis, None),
+                        value_scales=PartitionSpec(None, None, None, axis, None),  # [L,P,Z,K,g]
+                        value_zeros=PartitionSpec(None, None, None, axis, None),
+                        residual=PartitionSpec(None, None, None, axis, None))  # [L,R,Z,2K,H]
+    return PartitionSpec(None, None, None, axis)  # [L, P, Z, 2K]

@@ -43,12 +43,16 @@ class ActivationHooks:
             o, gate/up, down; the MoE block's input), e.g. a quantize-dequantize.
         keys_values: Applied to the `[B, T, K, H]` keys (after RoPE) and values of every
             layer before they are cached and attended to.
+        key_value_pair: Applied to the keys and values together, `(keys, values) -> (keys,
+            values)`, after `keys_values`: a rounding that treats them differently (KIVI's
+            keys per channel and values per token, `jaxinfer.quant.kv_cache.kivi_round_trip`).
         capture: Sow every linear input (after `linear_inputs`) as an `nnx.Intermediate`
             named by its site.
     """
 
     linear_inputs: Callable[[jax.Array], jax.Array] | None = None
     keys_values: Callable[[jax.Array], jax.Array] | None = None
+    key_value_pair: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
     capture: bool = False
 
 
@@ -74,6 +78,17 @@ def cached_key_value(module: nnx.Module, x: jax.Array) -> jax.Array:
     if hooks is None or hooks.keys_values is None:
         return x
     return hooks.keys_values(x)
+
+
+def cached_keys_values(module: nnx.Module, keys: jax.Array, values: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Keys and values `[B, T, K, H]` as `module`'s KV cache holds them: `keys_values` on
+    each, then `key_value_pair` on both (each hook only if set)."""
+    keys, values = cached_key_value(module, keys), cached_key_value(module, values)
+    hooks: ActivationHooks | None = module.activation_hooks
+    if hooks is None or hooks.key_value_pair is None:
+        return keys, values
+    return hooks.key_value_pair(keys, values)
 
 
 def with_activation_hooks(model: ModelT, hooks: ActivationHooks | None) -> ModelT:

@@ -20,12 +20,18 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv_formats import KIVI_BITS, SCALED_KV_DTYPES, kivi_value_group
 from jaxinfer.models.attention import Attention, LayerCache, PagedBatch, PagedLayerCache
 from jaxinfer.models.harp_attention import HarpAttention
 from jaxinfer.models.layers import MLP, Embedding, dtype_of, make_linear, make_norm
 from jaxinfer.models.moe import MoEBlock
 from jaxinfer.models.scan import scan_blocks
 from jaxinfer.sharding import LogicalRules, activate, constrain, parameter_shardings
+from pallas_kernels.ragged_paged_attention import (
+    QUANTIZED_KV_DTYPES,
+    KiviPool,
+    create_kivi_pool,
+)
 
 
 class KVCache(NamedTuple):
@@ -49,26 +55,41 @@ class PagedKVCache(NamedTuple):
     (page p is the same slot of the same tokens in every layer), plus the step's `PagedBatch`.
     L is `config.num_cache_layers`: the blocks below the HARP ones, block i using layer i.
 
-    An int8 pool also holds float32 scales `[L, P, Z, 2K]`: one scale per token and
-    (interleaved) key or value head over head_dim, symmetric absmax / 127
-    (`pallas_kernels.ragged_paged_attention.write_to_quantized_pages`). Layer l reads and
-    writes `pages[l]` through the ops' `layer=` index, never a slice of the pool.
+    An 8-bit pool (int8, float8_e4m3fn or float8_e5m2 pages: `kv_cache_dtype` "int8",
+    "fp8_e4m3", "fp8_e5m2") also holds float32 scales `[L, P, Z, 2K]`: one scale per token and
+    (interleaved) key or value head over head_dim, symmetric absmax / the dtype's max
+    (`pallas_kernels.ragged_paged_attention.write_to_quantized_pages`). A KIVI pool
+    ("int4", "int2") holds packed uint8 pages `[L, P, Z, 2K, H * bits / 8]` and, as `scales`,
+    a `KiviPool` (key and value scales and zero points, and the float32 residual pool whose
+    seats `batch.residual_slots` names; `pallas_kernels.ragged_paged_attention.kivi`).
+    Layer l reads and writes `pages[l]` through the ops' `layer=` index, never a slice of the
+    pool.
     """
 
     pages: jax.Array  # [L, P, Z, 2K, H]
     batch: PagedBatch
-    scales: jax.Array | None = None  # [L, P, Z, 2K]
+    scales: jax.Array | KiviPool | None = None  # [L, P, Z, 2K], or a KIVI pool's arrays
 
     @classmethod
     def create(cls, config: ModelConfig, num_pages: int, page_size: int,
-               batch: PagedBatch, dtype: str | None = None) -> PagedKVCache:
-        """Allocates a zeroed pool of `num_pages` pages per layer; `dtype="int8"` gives the
-        quantized pool with its scales."""
+               batch: PagedBatch, dtype: str | None = None,
+               num_residual: int = 1) -> PagedKVCache:
+        """Allocates a zeroed pool of `num_pages` pages per layer; `dtype` "int8", "fp8_e4m3"
+        or "fp8_e5m2" (`jaxinfer.kv_formats.SCALED_KV_DTYPES`) gives the quantized pool with
+        its scales, "int4" or "int2" KIVI's pool with `num_residual` residual seats (one per
+        sequence that can run at once)."""
         shape = (config.num_cache_layers, num_pages, page_size, 2 * config.num_kv_heads,
                  config.head_dim)  # [L, P, Z, 2K, H]
-        cache_dtype = dtype_of(dtype or config.dtype)
+        name = dtype or config.dtype
+        if name in KIVI_BITS:
+            pages, pool = create_kivi_pool(
+                config.num_cache_layers, num_pages, page_size, config.num_kv_heads,
+                config.head_dim, KIVI_BITS[name], kivi_value_group(config.head_dim),
+                num_residual)
+            return cls(pages, batch, pool)  # [L, P, Z, 2K, H*bits/8], KiviPool
+        cache_dtype = dtype_of(SCALED_KV_DTYPES.get(name, name))
         scales = None
-        if cache_dtype == jnp.int8:
+        if cache_dtype in QUANTIZED_KV_DTYPES:
             scales = jnp.zeros(shape[:4], jnp.float32)  # [L, P, Z, 2K]
         return cls(jnp.zeros(shape, cache_dtype), batch, scales)
 

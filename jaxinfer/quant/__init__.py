@@ -21,7 +21,12 @@ from jaxinfer.quant.fake_quant import (
     simulate,
 )
 from jaxinfer.quant.gptq import gptq_quantize, gptq_quantize_model
-from jaxinfer.quant.kv_cache import int8_round_trip, kv_bytes_per_token
+from jaxinfer.quant.kv_cache import (
+    int8_round_trip,
+    kivi_round_trip,
+    kv_bytes_per_token,
+    scaled_round_trip,
+)
 from jaxinfer.quant.linear import (
     LinearSite,
     QuantizedLinear,
@@ -36,7 +41,8 @@ from jaxinfer.quant.smoothquant import smooth_model, smoothquant_model
 __all__ = ["METHODS", "PROTOCOLS", "LinearSite", "QuantizationConfig", "QuantizationProtocol",
            "QuantizationRule", "QuantizedLinear", "WeightScheme", "apply_method",
            "calibration_windows", "dequantize_model", "gptq_quantize", "gptq_quantize_model",
-           "int8_round_trip", "is_quantized_checkpoint", "kv_bytes_per_token", "linear_sites",
-           "linear_weight_bytes", "quantize_asymmetric", "quantize_model",
+           "int8_round_trip", "is_quantized_checkpoint", "kivi_round_trip", "kv_bytes_per_token",
+           "linear_sites", "linear_weight_bytes", "quantize_asymmetric", "quantize_model",
            "quantize_model_weights", "quantize_symmetric", "restore_quantized_model",
-           "save_quantized_model", "simulate", "smooth_model", "smoothquant_model"]
+           "save_quantized_model", "scaled_round_trip", "simulate", "smooth_model",
+           "smoothquant_model"]

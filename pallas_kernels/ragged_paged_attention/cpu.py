@@ -27,7 +27,8 @@ from pallas_kernels import cpu_build
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_decode.cc")
 _TARGETS = {"float32": "DecodeAttentionF32", "bfloat16": "DecodeAttentionBF16",
-            "int8": "DecodeAttentionS8"}
+            "int8": "DecodeAttentionS8", "float8_e4m3fn": "DecodeAttentionF8E4M3",
+            "float8_e5m2": "DecodeAttentionF8E5M2"}
 _MAX_PAGE_SIZE = 64  # the kernel keeps one page of scores on the stack
 _MAX_GROUP = 16  # and of each of up to 16 query heads per KV head
 _switch = cpu_build.KernelSwitch()
@@ -65,8 +66,8 @@ def decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
     """The softmax statistics of each decode query over its sequence's earlier keys.
 
     Args:
-        kv_pages: `[L, P, Z, 2K, H]` the stacked pool (float32, bfloat16 or int8).
-        kv_scales: `[L, P, Z, 2K]` float32 scales of an int8 pool, or None.
+        kv_pages: `[L, P, Z, 2K, H]` the stacked pool (float32, bfloat16, int8 or float8).
+        kv_scales: `[L, P, Z, 2K]` float32 scales of an 8-bit pool, or None.
         layer: The layer to read.
         page_indices: `[Q, pages_per_seq]` page tables.
         queries: `[Q, K, G, H]` each sequence's (scaled) query.
@@ -83,8 +84,13 @@ def decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
     quantized = kv_scales is not None
     scales = kv_scales if quantized else jnp.zeros((1,), jnp.float32)  # [L, P, Z, 2K] or [1]
     rows = (num_seqs, num_kv_heads, group)
+    target = _TARGETS[str(kv_pages.dtype)]
+    if jnp.issubdtype(kv_pages.dtype, jnp.floating) and kv_pages.dtype.itemsize == 1:
+        # The FFI takes no float8 buffers: the same bytes go as uint8 (a bitcast, no copy),
+        # and the kernel's target says how to decode them.
+        kv_pages = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)  # [L, P, Z, 2K, H]
     call = jax.ffi.ffi_call(
-        f"jaxinfer_{_TARGETS[str(kv_pages.dtype)]}",
+        f"jaxinfer_{target}",
         (jax.ShapeDtypeStruct(rows, jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32),
          jax.ShapeDtypeStruct((*rows, head_dim), jnp.float32)))
     return call(kv_pages, scales, jnp.asarray(layer, jnp.int32).reshape(1),

@@ -9,7 +9,8 @@
 // (`cpu_parallel.h`).
 //
 // Layout (see reference.py): pages [L, P, Z, 2K, H], keys at 2k and values at 2k + 1 of the
-// third axis; an int8 pool has float32 scales [L, P, Z, 2K] (value = int8 * scale).
+// third axis; an 8-bit pool (int8, float8_e4m3fn, float8_e5m2) has float32 scales
+// [L, P, Z, 2K] (value = element * scale).
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +27,41 @@ namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head the stack buffers hold
 
+// The float8 pools' elements, told apart by type so `Widen` picks the decoding.
+struct E4M3 { uint8_t bits; };  // float8_e4m3fn: bias 7, no infinities, 0x7f/0xff are NaN
+struct E5M2 { uint8_t bits; };  // float8_e5m2: the high byte of an IEEE half
+
+// Every e4m3 value, decoded once: one table load per element instead of bit arithmetic.
+struct E4M3Table {
+  float values[256];
+  E4M3Table() {
+    for (int bits = 0; bits < 256; ++bits) {
+      const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;
+      float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                      : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 0xf && mantissa == 0x7) magnitude = std::numeric_limits<float>::quiet_NaN();
+      values[bits] = (bits & 0x80) ? -magnitude : magnitude;
+    }
+  }
+};
+const E4M3Table kE4M3;
+
 inline float Widen(float value) { return value; }
+inline float Widen(E4M3 value) { return kE4M3.values[value.bits]; }
+inline float Widen(E5M2 value) {  // e5m2 -> half -> float: sign, 5-bit exponent, 2-bit mantissa
+  const uint32_t bits = value.bits, sign = (bits & 0x80) << 24, exponent = (bits >> 2) & 0x1f;
+  const uint32_t mantissa = bits & 0x3;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -16);  // subnormal: m / 4 * 2^-14
+  } else if (exponent == 0x1f) {
+    magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN()
+                         : std::numeric_limits<float>::infinity();
+  } else {
+    magnitude = std::ldexp(1.0f + mantissa / 4.0f, static_cast<int>(exponent) - 15);
+  }
+  return sign ? -magnitude : magnitude;
+}
 inline float Widen(int8_t value) { return static_cast<float>(value); }
 inline float Widen(uint16_t bits) {  // bfloat16: the high half of a float32
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -129,7 +164,9 @@ void Walk(ffi::ThreadPool& pool, const T* pages, const float* scales, const int3
   });
 }
 
-template <ffi::DataType Kind>
+// Kind: the buffer's XLA type; Element: how its elements decode (the float8 pools come as U8,
+// since this jaxlib's FFI takes no float8 buffers, and are told apart by Element).
+template <ffi::DataType Kind, typename Element>
 ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buffer<ffi::F32> scales,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_indices,
                       ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::S32> context,
@@ -148,9 +185,6 @@ ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buf
   if (page_size > 64) return ffi::Error::InvalidArgument("page size above 64");
   if (group > kMaxGroup) return ffi::Error::InvalidArgument("more than 16 query heads per KV head");
   const int64_t index = layer.typed_data()[0];
-  using Element = std::conditional_t<
-      Kind == ffi::DataType::F32, float,
-      std::conditional_t<Kind == ffi::DataType::S8, int8_t, uint16_t>>;
   const Element* base = reinterpret_cast<const Element*>(pages.typed_data()) +
                         index * num_pages * page_size * 2 * num_kv_heads * head_dim;
   const float* scale_base =
@@ -164,8 +198,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buf
   return ffi::Error::Success();
 }
 
-#define DEFINE_DECODE(name, kind)                                     \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, DecodeImpl<kind>,               \
+#define DEFINE_DECODE(name, kind, element)                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (DecodeImpl<kind, element>),    \
                                 ffi::Ffi::Bind()                      \
                                     .Ctx<ffi::ThreadPool>()           \
                                     .Arg<ffi::Buffer<kind>>()         \
@@ -185,6 +219,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buf
 
 }  // namespace
 
-DEFINE_DECODE(DecodeAttentionF32, ffi::DataType::F32)
-DEFINE_DECODE(DecodeAttentionBF16, ffi::DataType::BF16)
-DEFINE_DECODE(DecodeAttentionS8, ffi::DataType::S8)
+DEFINE_DECODE(DecodeAttentionF32, ffi::DataType::F32, float)
+DEFINE_DECODE(DecodeAttentionBF16, ffi::DataType::BF16, uint16_t)
+DEFINE_DECODE(DecodeAttentionS8, ffi::DataType::S8, int8_t)
+DEFINE_DECODE(DecodeAttentionF8E4M3, ffi::DataType::U8, E4M3)
+DEFINE_DECODE(DecodeAttentionF8E5M2, ffi::DataType::U8, E5M2)

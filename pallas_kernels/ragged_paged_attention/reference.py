@@ -13,13 +13,21 @@ Page p, row r of a sequence whose page table is `page_indices[s]` holds that seq
 at position `j * page_size + r` where `page_indices[s, j] == p`. Interleaving K and V keeps one
 token's keys and values in one contiguous row, so a kernel fetches both with one DMA.
 
-int8 KV cache: the pages may be int8, with one float32 scale per token and combined head
+int8 and fp8 KV caches: the pages may be int8, float8_e4m3fn or float8_e5m2, with one float32
+scale per token and combined head
 
-    kv_scales: [P, Z, 2K]     symmetric absmax / 127 over the head dim,
+    kv_scales: [P, Z, 2K]     symmetric absmax / (the dtype's largest value: 127 for int8,
+                              448 for e4m3, 57344 for e5m2) over the head dim,
 
-so a stored row dequantizes as `kv_pages[p, r, c].astype(f32) * kv_scales[p, r, c]`. The scales
+so a stored row dequantizes as `kv_pages[p, r, c].astype(f32) * kv_scales[p, r, c]` whatever
+the 8-bit dtype (`QUANTIZED_KV_DTYPES`). The scales
 mirror the pages without their head-dim axis, so one slot index addresses both.
 `write_to_quantized_pages` quantizes as it writes; every implementation takes `kv_scales=`.
+
+KIVI int4 / int2 pools: packed uint8 pages with a `kivi.KiviPool` (key scales per page and
+channel, value scales per token and channel group, a float32 residual pool holding each
+sequence's partial last page) passed as `kv_scales`, and `residual_slots` `[Q]` (each
+sequence's residual seat) beside the batch; `kivi.py` documents the layout.
 
 Stacked layers: a model that scans over its layers keeps every layer's pool in one array,
 
@@ -47,15 +55,31 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import kivi
+
 _MASKED = -1e30  # finite, so a fully masked (padding) row stays NaN-free
 
+# The 8-bit page dtypes with one scale per token and head; int8 rounds to integers, the float8
+# dtypes round to their own grids (relative precision 2^-4 for e4m3, 2^-3 for e5m2).
+QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn),
+                       jnp.dtype(jnp.float8_e5m2))
 
-def as_stacked(kv_pages: jax.Array, kv_scales: jax.Array | None,
-            layer: jax.Array | int | None) -> tuple[jax.Array, jax.Array | None, jax.Array | int]:
-    """The pool as `[L, P, Z, 2K, H]` (scales `[L, P, Z, 2K]`) and the layer to use: a
-    one-layer pool (`layer=None`) becomes a stack of one, its layer 0 (a free reshape)."""
+
+def _largest(dtype: jnp.dtype) -> float:
+    """The largest magnitude a row's absmax maps to: 127 for int8, the float8 dtype's max."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return float(jnp.iinfo(dtype).max)
+    return float(jnp.finfo(dtype).max)
+
+
+def as_stacked(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
+               layer: jax.Array | int | None
+               ) -> tuple[jax.Array, jax.Array | kivi.KiviPool | None, jax.Array | int]:
+    """The pool as `[L, P, Z, 2K, H]` (scales `[L, P, Z, 2K]`, or a `KiviPool` of stacked
+    arrays) and the layer to use: a one-layer pool (`layer=None`) becomes a stack of one, its
+    layer 0 (a free reshape)."""
     if layer is None:
-        return kv_pages[None], None if kv_scales is None else kv_scales[None], 0
+        return kv_pages[None], jax.tree.map(lambda array: array[None], kv_scales), 0
     return kv_pages, kv_scales, layer
 
 
@@ -114,23 +138,40 @@ def write_to_pages(kv_pages: jax.Array, keys: jax.Array, values: jax.Array,
     return _scatter_rows(flat, rows, slot_mapping, layer).reshape(kv_pages.shape)
 
 
-def quantize_kv_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per row over the last axis: `[..., H]` -> int8 `[..., H]`, f32 `[...]`."""
+def quantize_kv_rows(rows: jax.Array, dtype: jnp.dtype = jnp.int8
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Symmetric 8-bit per row over the last axis: `[..., H]` -> `dtype` `[..., H]`, f32 `[...]`.
+
+    Args:
+        rows: `[..., H]` float rows.
+        dtype: One of `QUANTIZED_KV_DTYPES`: int8 rounds `rows / scale` to the nearest integer,
+            a float8 dtype rounds it to the nearest value of its grid (round to nearest even).
+
+    Returns:
+        The quantized rows and their scales `absmax / largest`, largest = 127 for int8, the
+        float8 dtype's max otherwise.
+    """
+    dtype = jnp.dtype(dtype)
+    largest = _largest(dtype)
     rows = rows.astype(jnp.float32)
-    scales = jnp.max(jnp.abs(rows), axis=-1) / 127.0  # [...]
+    scales = jnp.max(jnp.abs(rows), axis=-1) / largest  # [...]
     # An all-zero row keeps scale 0 (it dequantizes to zeros); divide by 1 there instead.
-    quantized = jnp.round(rows / jnp.where(scales > 0, scales, 1.0)[..., None])
-    return jnp.clip(quantized, -127, 127).astype(jnp.int8), scales
+    scaled = rows / jnp.where(scales > 0, scales, 1.0)[..., None]  # [..., H] in [-max, max]
+    if jnp.issubdtype(dtype, jnp.integer):
+        scaled = jnp.round(scaled)
+    # The clip keeps a rounding of absmax / scale just past max from becoming inf or NaN.
+    return jnp.clip(scaled, -largest, largest).astype(dtype), scales
 
 
 def write_to_quantized_pages(kv_pages: jax.Array, kv_scales: jax.Array, keys: jax.Array,
                              values: jax.Array, slot_mapping: jax.Array, *,
                              layer: jax.Array | int | None = None
                              ) -> tuple[jax.Array, jax.Array]:
-    """Quantizes new keys and values to int8 (one scale per token and head) and writes them.
+    """Quantizes new keys and values to the pool's 8-bit dtype (int8, float8_e4m3fn or
+    float8_e5m2; one scale per token and head) and writes them.
 
     Args:
-        kv_pages: `[P, Z, 2K, H]` int8 pool (one layer's), or with `layer` the stacked
+        kv_pages: `[P, Z, 2K, H]` 8-bit pool (one layer's), or with `layer` the stacked
             `[L, P, Z, 2K, H]` pool.
         kv_scales: `[P, Z, 2K]` float32 scales of the pool's rows (`[L, P, Z, 2K]` stacked).
         keys: `[T, K, H]` new float keys.
@@ -141,7 +182,8 @@ def write_to_quantized_pages(kv_pages: jax.Array, kv_scales: jax.Array, keys: ja
     Returns:
         The updated `(kv_pages, kv_scales)`, shaped as given.
     """
-    quantized, scales = quantize_kv_rows(_interleave(keys, values))  # [T, 2K, H], [T, 2K]
+    quantized, scales = quantize_kv_rows(_interleave(keys, values),
+                                         kv_pages.dtype)  # [T, 2K, H], [T, 2K]
     flat_pages = _flat(kv_pages, layer)  # [P*Z, 2K, H] or [L, P*Z, 2K, H]
     flat_scales = _flat(kv_scales, layer)  # [P*Z, 2K] or [L, P*Z, 2K]
     return (_scatter_rows(flat_pages, quantized, slot_mapping, layer).reshape(kv_pages.shape),
@@ -166,8 +208,9 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    kv_scales: jax.Array | None = None,
+    kv_scales: jax.Array | kivi.KiviPool | None = None,
     layer: jax.Array | int | None = None,
+    residual_slots: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
@@ -182,9 +225,10 @@ def ragged_paged_attention_reference(
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (Gemma-2 style `cap * tanh(s / cap)`), or None.
-        kv_scales: `[P, Z, 2K]` scales of an int8 pool (`[L, P, Z, 2K]` stacked), or None
-            for a float pool.
+        kv_scales: `[P, Z, 2K]` scales of an 8-bit pool (`[L, P, Z, 2K]` stacked), a
+            `kivi.KiviPool` of a KIVI pool, or None for a float pool.
         layer: int32 scalar: the layer of a stacked pool to read; None for a one-layer pool.
+        residual_slots: `[Q]` int32 residual seat of each sequence (KIVI pools only).
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -205,10 +249,17 @@ def ragged_paged_attention_reference(
     # A token's position: the sequence's new tokens are the last q_len of its kv_len keys.
     position = kv_lens[sequence] - (cu_q_lens[sequence + 1] - token)  # [T]
 
-    gathered = dequantize_pages(
-        kv_pages[layer, page_indices],
-        None if kv_scales is None else kv_scales[layer, page_indices]
-    ).reshape(max_seqs, max_len, 2 * num_kv_heads, head_dim)  # [Q, S, 2K, H]
+    if isinstance(kv_scales, kivi.KiviPool):
+        gathered = kivi.read_pages(
+            kv_pages, kv_scales, layer, page_indices,
+            jnp.arange(pages_per_seq, dtype=jnp.int32)[None, :], kv_lens[:, None],
+            residual_slots[:, None])  # [Q, pages_per_seq, Z, 2K, H]
+    else:
+        gathered = dequantize_pages(
+            kv_pages[layer, page_indices],
+            None if kv_scales is None else kv_scales[layer, page_indices])
+    gathered = gathered.reshape(max_seqs, max_len, 2 * num_kv_heads,
+                                head_dim)  # [Q, S, 2K, H]
     keys = gathered[:, :, 0::2][sequence]  # [T, S, K, H]
     values = gathered[:, :, 1::2][sequence]  # [T, S, K, H]
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import cpu
+from pallas_kernels.ragged_paged_attention import cpu, kivi
 from pallas_kernels.ragged_paged_attention.reference import as_stacked, dequantize_pages
 
 # Per query row (a token, or a decode sequence): running max [rows, K, G], denominator
@@ -135,10 +135,17 @@ def _blocked_step_attention(grouped: jax.Array, keys: jax.Array, values: jax.Arr
     return tuple(jnp.concatenate(parts) for parts in zip(*per_block, strict=True))
 
 
-def _pages(kv_pages: jax.Array, kv_scales: jax.Array | None, layer: jax.Array | int,
-           index: jax.Array) -> jax.Array:
+def _pages(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
+           layer: jax.Array | int, index: jax.Array, page_number: jax.Array | None = None,
+           kv_lens: jax.Array | None = None, seats: jax.Array | None = None) -> jax.Array:
     """Float32 pages (or rows) at `index` of the stacked pool's `layer` (`[L, P, ...]`; one
-    gather straight from the pool, no copy of the layer), dequantized when it is int8."""
+    gather straight from the pool, no copy of the layer), dequantized when it is 8-bit.
+
+    A KIVI pool reads whole pages only: `page_number` (the pages' place in their sequences'
+    tables), `kv_lens` and `seats` (residual seats) say which page is a sequence's partial
+    last one, read from the residual pool instead."""
+    if isinstance(kv_scales, kivi.KiviPool):
+        return kivi.read_pages(kv_pages, kv_scales, layer, index, page_number, kv_lens, seats)
     return dequantize_pages(kv_pages[layer, index],
                             None if kv_scales is None else kv_scales[layer, index])
 
@@ -150,16 +157,18 @@ def _pages(kv_pages: jax.Array, kv_scales: jax.Array | None, layer: jax.Array | 
 DECODE_SEQUENCE_GROUP = 16
 
 
-def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
+def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
                           layer: jax.Array | int, page_indices: jax.Array,
                           decode_queries: jax.Array, decode_context: jax.Array,
                           decode_position: jax.Array, window: int | jax.Array, windowed: bool,
-                          soft_cap: float | None = None) -> Stats:
+                          soft_cap: float | None = None,
+                          residual_slots: jax.Array | None = None) -> Stats:
     """Earlier keys of the decode sequences: groups of similar length walk their pages.
 
     Args:
         kv_pages: `[L, P, Z, 2K, H]` the stacked pool.
-        kv_scales: `[L, P, Z, 2K]` scales of an int8 pool, or None.
+        kv_scales: `[L, P, Z, 2K]` scales of an 8-bit (int8 or fp8) pool, a KIVI pool's
+            `KiviPool`, or None.
         layer: The layer of the pool to read.
         page_indices: `[Q, pages_per_seq]` page tables.
         decode_queries: `[Q, K, G, H]` each sequence's one (scaled) query.
@@ -168,6 +177,7 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
         window: Keys visible per query.
         windowed: Whether a sliding window applies (then walks start at the window).
         soft_cap: Logit soft-cap, or None.
+        residual_slots: `[Q]` residual seats of a KIVI pool's sequences, or None.
 
     Returns:
         Per-sequence softmax statistics `[Q, K, G(, H)]`.
@@ -175,7 +185,8 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
     max_seqs = page_indices.shape[0]
     page_size = kv_pages.shape[2]
     _, num_kv_heads, group, head_dim = decode_queries.shape
-    if cpu.supports(kv_pages, group):
+    is_kivi = isinstance(kv_scales, kivi.KiviPool)
+    if not is_kivi and cpu.supports(kv_pages, group):
         # XLA:CPU: the C++ walk reads each key once, at ~4x this loop's speed.
         return cpu.decode_context_stats(kv_pages, kv_scales, layer, page_indices,
                                         decode_queries, decode_context, decode_position,
@@ -193,11 +204,13 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | None,
         queries = decode_queries[rows]  # [group_size, K, G, H]
         position = decode_position[rows]  # [group_size]
         table = page_indices[rows]  # [group_size, pages_per_seq]
+        seats = None if residual_slots is None else residual_slots[rows]  # [group_size]
 
         def decode_page(page: jax.Array, carry: Stats, context: jax.Array = context,
                         queries: jax.Array = queries, position: jax.Array = position,
-                        table: jax.Array = table) -> Stats:
-            block = _pages(kv_pages, kv_scales, layer, table[:, page])  # [group_size, Z, 2K, H]
+                        table: jax.Array = table, seats: jax.Array | None = seats) -> Stats:
+            block = _pages(kv_pages, kv_scales, layer, table[:, page], page, position + 1,
+                           seats)  # [group_size, Z, 2K, H]
             page_scores = _soft_capped(jnp.einsum("qkgh,qzkh->qkgz", queries,
                                                   block[:, :, 0::2]),
                                        soft_cap)  # [group_size, K, G, Z]
@@ -230,8 +243,9 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    kv_scales: jax.Array | None = None,
+    kv_scales: jax.Array | kivi.KiviPool | None = None,
     layer: jax.Array | int | None = None,
+    residual_slots: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query tokens to their sequences' paged keys.
 
@@ -247,9 +261,10 @@ def ragged_paged_attention_xla(
         sm_scale: Softmax scale (usually head_dim ** -0.5).
         sliding_window: Keys visible per query (itself included), or None for all.
         soft_cap: Logit soft-cap (`cap * tanh(s / cap)`), or None.
-        kv_scales: `[P, Z, 2K]` scales of an int8 pool (`[L, P, Z, 2K]` stacked), or None
-            for a float pool.
+        kv_scales: `[P, Z, 2K]` scales of an 8-bit pool (`[L, P, Z, 2K]` stacked), a KIVI
+            pool's `kivi.KiviPool`, or None for a float pool.
         layer: int32 scalar: the layer of a stacked pool to read; None for a one-layer pool.
+        residual_slots: `[Q]` int32 residual seat of each sequence (KIVI pools only).
 
     Returns:
         `[T, N, H]` outputs in the queries' dtype; zeros for padding tokens.
@@ -276,11 +291,17 @@ def ragged_paged_attention_xla(
     # 1. This step's keys: read back from their slots, attended block-diagonally and causally.
     slot = (page_indices[sequence, jnp.clip(position, 0) // page_size] * page_size
             + jnp.clip(position, 0) % page_size)  # [T]
-    flat_scales = None if kv_scales is None else kv_scales.reshape(
-        num_layers, num_pages * page_size, combined_heads)  # [L, P*Z, 2K]
-    new_kv = _pages(kv_pages.reshape(num_layers, num_pages * page_size, combined_heads,
-                                     head_dim),
-                    flat_scales, layer, slot)  # [T, 2K, H]
+    if isinstance(kv_scales, kivi.KiviPool):
+        new_kv = kivi.read_rows(
+            kv_pages, kv_scales, layer, jnp.clip(position, 0),
+            page_indices[sequence, jnp.clip(position, 0) // page_size], kv_lens[sequence],
+            residual_slots[sequence])  # [T, 2K, H]
+    else:
+        flat_scales = None if kv_scales is None else kv_scales.reshape(
+            num_layers, num_pages * page_size, combined_heads)  # [L, P*Z, 2K]
+        new_kv = _pages(kv_pages.reshape(num_layers, num_pages * page_size, combined_heads,
+                                         head_dim),
+                        flat_scales, layer, slot)  # [T, 2K, H]
     new_keys, new_values = new_kv[:, 0::2], new_kv[:, 1::2]  # [T, K, H] each
     if num_tokens >= 2 * QUERY_BLOCK and num_tokens % QUERY_BLOCK == 0:
         stats = _blocked_step_attention(grouped, new_keys, new_values, sequence, position, real,
@@ -301,7 +322,8 @@ def ragged_paged_attention_xla(
 
     decode_stats = _decode_context_stats(kv_pages, kv_scales, layer, page_indices,
                                          decode_queries, decode_context, decode_position,
-                                         window, sliding_window is not None, soft_cap)
+                                         window, sliding_window is not None, soft_cap,
+                                         residual_slots)
     # Token t takes its sequence's row only if it is that decode sequence's one token.
     takes_row = decode[sequence] & real  # [T]
     row_stats = jax.tree.map(lambda value: value[sequence], decode_stats)
@@ -333,8 +355,10 @@ def ragged_paged_attention_xla(
                 tile_position = position[rows]  # [tile]
 
                 def context_page(page: jax.Array, inner: Stats) -> Stats:
-                    block = _pages(kv_pages, kv_scales, layer,
-                                   page_indices[chosen, page])  # [Z, 2K, H]
+                    block = _pages(kv_pages, kv_scales, layer, page_indices[chosen, page],
+                                   page, kv_lens[chosen],
+                                   None if residual_slots is None
+                                   else residual_slots[chosen])  # [Z, 2K, H]
                     page_scores = _soft_capped(jnp.einsum(
                         "tkgh,zkh->tkgz", tile_queries, block[:, 0::2]), soft_cap)  # [tile,K,G,Z]
                     key_position = page * page_size + jnp.arange(page_size)  # [Z]

@@ -40,6 +40,15 @@ def test_kv_bytes_by_hand():
     assert kv_bytes_per_token(config) == 32 * 2 * 32 * 128 * 2  # 512 KiB
     assert kv_bytes_per_token(config, tensor_parallel=8) == 32 * 2 * 4 * 128 * 2
     assert kv_bytes_per_token(config, "int8") == 32 * 2 * 32 * (128 + 4)
+    assert kv_bytes_per_token(config, "fp8_e4m3") == kv_bytes_per_token(config, "fp8_e5m2") \
+        == kv_bytes_per_token(config, "int8")
+    # KIVI per head and layer: codes 2 * 128 * b / 8, key scale + zero (f16) per channel over
+    # a page of 16 (2 * 128 * 2 / 16 = 32), value scale + zero per token and 32 channels (16).
+    assert kv_bytes_per_token(config, "int4") == 32 * 32 * (128 + 32 + 16)
+    assert kv_bytes_per_token(config, "int2") == 32 * 32 * (64 + 32 + 16)
+    assert kv_bytes_per_token(config, "int2", page_size=64) == 32 * 32 * (64 + 8 + 16)
+    with pytest.raises(ValueError, match="int3"):
+        kv_bytes_per_token(config, "int3")
     mistral = get_preset("mistral-7b")  # 8 KV heads: past 8 chips each keeps one head
     assert kv_bytes_per_token(mistral, tensor_parallel=16) == kv_bytes_per_token(
         mistral, tensor_parallel=8)

@@ -30,7 +30,8 @@ BATCHES = {
 
 
 def _check(batch, page_size, head_dim, group, num_kv_heads=2, sliding_window=None,
-           soft_cap=None, block_tokens=8, pages_per_block=2, seed=0, int8_kv=False):
+           soft_cap=None, block_tokens=8, pages_per_block=2, seed=0, int8_kv=False,
+           kv_dtype=jnp.int8):
     query_lens, context_lens = BATCHES[batch]
     rng = np.random.default_rng(seed)
     longest = max(q + c for q, c in zip(query_lens, context_lens, strict=True))
@@ -41,7 +42,7 @@ def _check(batch, page_size, head_dim, group, num_kv_heads=2, sliding_window=Non
     kv_scales = None
     if int8_kv:
         # Quantizing every row of the pool is what writing each token quantized would store.
-        kv_pages, kv_scales = quantize_kv_rows(inputs[1])
+        kv_pages, kv_scales = quantize_kv_rows(inputs[1], kv_dtype)
         inputs = (inputs[0], kv_pages, *inputs[2:])
     scale = head_dim ** -0.5
     expected = ragged_paged_attention(*inputs, sm_scale=scale, sliding_window=sliding_window,
@@ -75,6 +76,14 @@ def test_kernel_sliding_window_and_soft_cap(batch):
 @pytest.mark.parametrize(("page_size", "head_dim", "group"), [(4, 64, 4), (8, 128, 1)])
 def test_kernel_int8_kv_matches_the_reference(batch, page_size, head_dim, group):
     _check(batch, page_size, head_dim, group, int8_kv=True)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_kernel_fp8_kv_matches_the_reference(batch, kv_dtype):
+    # fp8 pages take int8's path (1-byte pages, a scale row per page); only the widening
+    # of the page to float32 differs.
+    _check(batch, 8, 32, 2, int8_kv=True, kv_dtype=kv_dtype)
 
 
 def test_kernel_int8_kv_with_sliding_window_and_soft_cap():

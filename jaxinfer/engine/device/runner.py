@@ -68,10 +68,13 @@ from jaxinfer.engine.device.step_io import (  # the result types are re-exported
 from jaxinfer.engine.host.scheduler import ScheduledRequest
 from jaxinfer.engine.sampling_params import MAX_LOGPROBS
 from jaxinfer.engine.spec.verify import Verification, sampling_probabilities, verify
+from jaxinfer.kv_formats import KIVI_BITS
 from jaxinfer.models import PagedBatch, PagedKVCache, Transformer
+from jaxinfer.models.attention import scale_spec
 from jaxinfer.models.scan import can_stack_layers, stack_layers
 from jaxinfer.multihost import StepChannel
 from jaxinfer.sharding import activate, active_axis, parameter_shardings
+from pallas_kernels.ragged_paged_attention import KiviPool
 
 
 def power_of_two_buckets(smallest: int, largest: int, growth: int = 2) -> tuple[int, ...]:
@@ -94,8 +97,10 @@ class RunnerConfig:
         max_num_batched_tokens: The largest token bucket (the scheduler's token budget).
         max_num_seqs: The largest sequence bucket.
         max_model_len: Longest sequence; fixes the page-table width.
-        cache_dtype: KV page dtype (default: the model's compute dtype); "int8" keeps int8
-            pages with a float32 scale per token and KV head.
+        cache_dtype: KV page dtype (default: the model's compute dtype); "int8", "fp8_e4m3",
+            "fp8_e5m2" keep 8-bit pages with a float32 scale per token and KV head; "int4",
+            "int2" keep KIVI's packed pages with a float32 residual pool of one page per
+            sequence seat (`max_num_seqs` seats, handed out per request, see `release`).
         min_token_bucket: The smallest token bucket.
         max_logprobs: M, the top logprobs computed per token when a request asks for any.
         enable_prompt_logprobs: Allow the step that returns prompt logprobs (compiled per
@@ -219,7 +224,12 @@ class ModelRunner:
         self.graphdef, self.state = self._split_model(model, scan_layers)
         if abstract:
             self.state = self._placed_abstract_state()
-        self.pages, self.scales = self._allocate_pages()  # scales: None unless int8
+        # scales: None for a float pool, [L, P, Z, 2K] for an 8-bit one, a KiviPool for KIVI
+        self.pages, self.scales = self._allocate_pages()
+        self._kivi = config.cache_dtype in KIVI_BITS
+        # KIVI: each running request's seat in the residual pool (its partial last page).
+        self._seats: dict[str, int] = {}
+        self._free_seats = list(range(config.max_num_seqs))
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         if channel is not None and not channel.is_leader:
             raise ValueError("a runner leads with the leader's end of the step channel")
@@ -272,15 +282,16 @@ class ModelRunner:
                                 out_shardings=shardings)(state)
         return stacked_graphdef, stacked_state
 
-    def _allocate_pages(self) -> tuple[jax.Array, jax.Array | None]:
-        """The zeroed stacked page pool `[L, P, Z, 2K, H]` (and int8 scales `[L, P, Z, 2K]`),
-        created directly on their shards."""
+    def _allocate_pages(self) -> tuple[jax.Array, jax.Array | KiviPool | None]:
+        """The zeroed stacked page pool `[L, P, Z, 2K, H]` (and 8-bit scales `[L, P, Z, 2K]`,
+        or a KIVI pool's `KiviPool`), created directly on their shards."""
         config = self.config
         empty = PagedBatch(*(jnp.zeros((1,), jnp.int32) for _ in range(5)))  # [1] each
 
-        def create() -> tuple[jax.Array, jax.Array | None]:
+        def create() -> tuple[jax.Array, jax.Array | KiviPool | None]:
             cache = PagedKVCache.create(self.model_config, config.num_pages, config.page_size,
-                                        empty, dtype=config.cache_dtype)
+                                        empty, dtype=config.cache_dtype,
+                                        num_residual=config.max_num_seqs)
             return cache.pages, cache.scales  # [L, P, Z, 2K, H], [L, P, Z, 2K]
 
         if self.mesh is None and not self.abstract:
@@ -291,8 +302,10 @@ class ModelRunner:
         with activate(self.mesh, self.layout):
             axis = active_axis("act_kv_heads")
         pool = NamedSharding(self.mesh, PartitionSpec(None, None, None, axis, None))
-        scale = NamedSharding(self.mesh, PartitionSpec(None, None, None, axis))
-        shardings = (pool, None if shapes[1] is None else scale)
+        # Each array beside the pages splits on its own head axis (`scale_spec`).
+        shardings = (pool, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
+                                        scale_spec(shapes[1], axis),
+                                        is_leaf=lambda spec: isinstance(spec, PartitionSpec)))
         if self.abstract:
             return jax.tree.map(
                 lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
@@ -313,9 +326,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device step
 
-    def _device_step(self, state: nnx.State, pages: jax.Array, scales: jax.Array | None,
+    def _device_step(self, state: nnx.State, pages: jax.Array,
+                     scales: jax.Array | KiviPool | None,
                      inputs: StepInputs, *, with_prompt_logprobs: bool
-                     ) -> tuple[jax.Array, jax.Array | None, StepOutputs]:
+                     ) -> tuple[jax.Array, jax.Array | KiviPool | None, StepOutputs]:
         model = nnx.merge(self.graphdef, state)
         last_token_index, sampling = inputs.last_token_index, inputs.sampling  # [Q]
         hidden, cache = model.hidden_states(
@@ -507,8 +521,14 @@ class ModelRunner:
         if config.draft_distributions and draft_probs is None:
             draft_probs = self._draft_probs_without_drafts(num_seqs)  # [Q, R, V] zeros
         cu_q_lens[len(sequences) + 1:] = offset
+        residual_slots = None
+        if self._kivi:
+            residual_slots = np.zeros(num_seqs, np.int32)  # [Q]; padding rows read seat 0
+            residual_slots[:len(sequences)] = [self._seat(sequence.request_id)
+                                               for sequence in sequences]
         batch = PagedBatch(slots, kv_lens, page_indices, cu_q_lens,
-                           np.asarray([len(sequences)], np.int32))  # num_seqs: [1]
+                           np.asarray([len(sequences)], np.int32),  # num_seqs: [1]
+                           residual_slots)
         sampling = build_sampling_arrays(
             [sequence.sampling_params for sequence in sequences], self.model_config.vocab_size,
             prompt_token_ids=[sequence.prompt_token_ids for sequence in sequences],
@@ -518,6 +538,27 @@ class ModelRunner:
         return StepInputs(token_ids, positions, batch, last, sampling, seeds, output_index,
                           want_logprobs, next_token_ids, draft_token_ids, num_draft_tokens,
                           draft_probs)
+
+    def _seat(self, request_id: str) -> int:
+        """A KIVI pool's residual seat of a request, given on its first step and kept until
+        `release` (a preempted request keeps its seat: it restarts on a page boundary, so
+        its seat's rows are rewritten before they are read)."""
+        seat = self._seats.get(request_id)
+        if seat is None:
+            if not self._free_seats:
+                raise RuntimeError(f"request {request_id!r}: all {self.config.max_num_seqs} "
+                                   "KIVI residual seats are taken (a finished request was "
+                                   "not released)")
+            seat = self._seats[request_id] = self._free_seats.pop()
+        return seat
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Frees the residual seats of requests that finished or were aborted (a no-op for
+        other pools and for requests without a seat)."""
+        for request_id in request_ids:
+            seat = self._seats.pop(request_id, None)
+            if seat is not None:
+                self._free_seats.append(seat)
 
     def _allowed_bitmask(self, sequences: Sequence[ScheduledRequest], num_seqs: int
                          ) -> np.ndarray | None:

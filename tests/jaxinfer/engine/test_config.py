@@ -93,7 +93,7 @@ def test_unknown_options_are_listed_with_the_valid_ones():
     (dict(num_pages=True), SchedulerConfigError, "'num_pages' = True"),
     (dict(enable_prefix_caching="yes"), SchedulerConfigError,
      "'enable_prefix_caching' = 'yes': must be a bool"),
-    (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype = 'fp8'"),
+    (dict(kv_cache_dtype="fp8"), SchedulerConfigError, "'kv_cache_dtype' = 'fp8'"),
     (dict(kv_cache_dtype="int8", cache_dtype="bfloat16"), ValueError,
      "give cache_dtype ('bfloat16') or kv_cache_dtype ('int8'), not both"),
     # scheduler

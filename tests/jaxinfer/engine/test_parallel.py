@@ -179,3 +179,19 @@ def test_llm_takes_vllm_parallel_keywords_and_never_compiles_after_warm_up():
         assert sharded.generate(prompts[0], params)[0].outputs[0].token_ids == expected[0]
         assert sharded.engine.compilations == compiled
         assert all(replica.num_steps for replica in sharded.engine.replicas)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int4"])
+def test_tensor_parallel_quantized_kv_equals_one_device(wide_model, kv_cache_dtype):
+    # Each shard quantizes and reads its own KV heads: scales, KIVI's key and value scales
+    # and its residual seats split on their head axes like the pages.
+    prompts, arrivals = _workload(WIDE.vocab_size)
+    options = _engine_options(kv_cache_dtype=kv_cache_dtype)
+    expected = _run(Engine(wide_model, EngineConfig.from_options(**options)), prompts, arrivals)
+    engine = build_engine(wide_model, EngineConfig.from_options(**options,
+                                                                tensor_parallel_size=2))
+    for leaf in jax.tree.leaves(engine.runner.scales):
+        assert len(leaf.sharding.device_set) == 2
+        assert {shard.data.shape for shard in leaf.addressable_shards} != {leaf.shape}
+    assert _run(engine, prompts, arrivals) == expected

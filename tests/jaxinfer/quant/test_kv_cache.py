@@ -1,5 +1,6 @@
-"""The int8 KV cache: its rounding by hand, its bytes, and the engine with an int8 cache
-against the reference `generate` with the same rounding applied to its contiguous cache."""
+"""The 8-bit KV caches (int8, fp8 e4m3, fp8 e5m2): their rounding by hand, their bytes, and the
+engine with each cache against the reference `generate` with the same rounding applied to its
+contiguous cache."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from jaxinfer.generate import generate
 from jaxinfer.models import PagedBatch, PagedKVCache, create_model
 from jaxinfer.models.hooks import ActivationHooks, with_activation_hooks
 from jaxinfer.perplexity import perplexity
-from jaxinfer.quant.kv_cache import int8_round_trip, kv_bytes_per_token
+from jaxinfer.quant.kv_cache import int8_round_trip, kv_bytes_per_token, scaled_round_trip
 
 
 def test_round_trip_by_hand():
@@ -39,6 +40,21 @@ def test_bytes_per_token_and_the_int8_pool():
     assert pool.pages.dtype == jnp.int8 and pool.pages.shape == (2, 5, 16, 4, 16)
     assert pool.scales.dtype == jnp.float32 and pool.scales.shape == (2, 5, 16, 4)
     assert PagedKVCache.create(config, 5, 16, empty).scales is None
+    for name, dtype in (("fp8_e4m3", jnp.float8_e4m3fn), ("fp8_e5m2", jnp.float8_e5m2)):
+        assert kv_bytes_per_token(config, name) == kv_bytes_per_token(config, "int8")
+        pool = PagedKVCache.create(config, 5, 16, empty, dtype=name)
+        assert pool.pages.dtype == dtype and pool.scales.shape == (2, 5, 16, 4)
+
+
+def test_fp8_round_trip_by_hand():
+    x = jnp.asarray([[[[448.0, 100.0, -0.3, 0.0]]]])  # [1, 1, 1, 4]; scale 448 / 448 = 1
+    np.testing.assert_array_equal(scaled_round_trip("fp8_e4m3")(x)[0, 0, 0],
+                                  [448.0, 96.0, -0.3125, 0.0])
+    # e5m2 keeps 2 mantissa bits: scale 448 / 57344 = 2^-7, 100 * 2^7 = 12800 -> 12288.
+    np.testing.assert_array_equal(scaled_round_trip("fp8_e5m2")(x)[0, 0, 0],
+                                  [448.0, 96.0, -0.3125, 0.0])
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int4'"):
+        scaled_round_trip("int4")
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +62,18 @@ def model():
     return create_model(get_preset("tiny"), seed=0)
 
 
-def test_engine_with_an_int8_cache_equals_reference_generate_with_int8_rounding(model):
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_engine_with_an_8bit_cache_equals_reference_generate_with_its_rounding(
+        model, kv_cache_dtype):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 512, size=length).tolist() for length in (2, 9, 33, 70)]
     # The hooks are part of the rounded copy's graph: its programs are its own.
-    rounded = with_activation_hooks(model, ActivationHooks(keys_values=int8_round_trip))
+    rounded = with_activation_hooks(
+        model, ActivationHooks(keys_values=scaled_round_trip(kv_cache_dtype)))
     expected = generate(rounded, prompts, max_new_tokens=6, eos_token_ids=())
     engine = Engine(model, EngineConfig.from_options(page_size=16, max_num_batched_tokens=32,
                                         max_num_seqs=4, max_model_len=128, bucket_growth=4,
-                                        kv_cache_dtype="int8"))
+                                        kv_cache_dtype=kv_cache_dtype))
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt,
                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
@@ -64,18 +83,20 @@ def test_engine_with_an_int8_cache_equals_reference_generate_with_int8_rounding(
             outputs[output.request_id] = output.outputs[0].token_ids
     assert [outputs[str(index)] for index in range(len(prompts))] == expected
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig.from_options(kv_cache_dtype="int4")
+        EngineConfig.from_options(kv_cache_dtype="int3")
 
 
-def test_int8_cache_perplexity_equals_the_simulated_rounding(model):
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_8bit_cache_perplexity_equals_the_simulated_rounding(model, kv_cache_dtype):
     ids = np.random.default_rng(1).integers(3, 512, size=90)  # [N]
-    paged = perplexity(model, ids, window=32, batch_size=2, kv_cache_dtype="int8")
-    rounded = with_activation_hooks(model, ActivationHooks(keys_values=int8_round_trip))
+    paged = perplexity(model, ids, window=32, batch_size=2, kv_cache_dtype=kv_cache_dtype)
+    rounded = with_activation_hooks(
+        model, ActivationHooks(keys_values=scaled_round_trip(kv_cache_dtype)))
     simulated = perplexity(rounded, ids, window=32, batch_size=2)
     exact = perplexity(model, ids, window=32, batch_size=2)
     assert paged.tokens == simulated.tokens == exact.tokens
     assert paged.nll == pytest.approx(simulated.nll, rel=1e-5)
-    assert paged.nll != exact.nll  # the int8 cache did round something
+    assert paged.nll != exact.nll  # the cache did round something
 
 
 def test_harp_layers_take_no_cache_bytes():

@@ -1,0 +1,285 @@
+"""Ragged paged attention over a KIVI (int4 / int2) pool, as a Pallas TPU kernel (tested in
+interpret mode on CPU).
+
+The walk is `kernel.py`'s (a program per block of query tokens, every KV head in it; each
+sequence whose tokens meet the tile walks its pages in blocks of `pages_per_block`, copied
+HBM -> VMEM asynchronously and double-buffered; online softmax in f32). What differs is what
+a block copies and how it becomes keys and values (`kivi.py` has the layout):
+
+- per page: the packed code rows `[Z, 2K, H * bits / 8]` uint8, the key scales and zero
+  points `[K, H]` and the value scales and zero points `[Z, K, H / g]` (float16);
+- per sequence, once: its residual seat `[Z, 2K, H]` float32 (`residual_slots` is
+  scalar-prefetched with the page tables).
+
+Inside the block the codes are unpacked with shifts and masks, keys scaled per channel and
+values per channel group, and the page that is the sequence's partial last one
+(`kv_len // Z`) is taken from the seat instead. Only dequantized tiles exist, in VMEM, never a
+float copy of the pool. Every KV head is one program's (E = K): the packed head axis is
+copied whole, which is aligned whatever HBM's tiling of uint8 rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention.kivi import KiviPool, bits_of
+from pallas_kernels.ragged_paged_attention.reference import as_stacked
+
+_MASKED = -1e30  # finite: a row that sees nothing keeps exp(...) == 0 instead of NaN
+
+
+def _dequantized_head(codes: jax.Array, key_scales: jax.Array, key_zeros: jax.Array,
+                      value_scales: jax.Array, value_zeros: jax.Array, h: int, bits: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Keys and values `[pages, Z, H]` of head h from a block's codes `[pages, Z, 2K, Hp]`,
+    key scales `[pages, K, H]` and value scales `[pages, Z, K, H / g]`."""
+    per_byte = 8 // bits
+    packed = codes[:, :, 2 * h:2 * h + 2, :].astype(jnp.int32)  # [pages, Z, 2, Hp]
+    shifts = jax.lax.broadcasted_iota(jnp.int32, (*packed.shape, per_byte), 4) * bits
+    unpacked = (packed[..., None] >> shifts) & (2 ** bits - 1)  # [pages, Z, 2, Hp, per_byte]
+    unpacked = unpacked.reshape(*packed.shape[:3], -1).astype(jnp.float32)  # [pages, Z, 2, H]
+    keys = (unpacked[:, :, 0] * key_scales[:, h][:, None, :].astype(jnp.float32)
+            + key_zeros[:, h][:, None, :].astype(jnp.float32))  # [pages, Z, H]
+    pages, page_size, head_dim = keys.shape
+    groups = value_scales.shape[-1]
+    values = unpacked[:, :, 1].reshape(pages, page_size, groups, head_dim // groups)
+    values = (values * value_scales[:, :, h][..., None].astype(jnp.float32)
+              + value_zeros[:, :, h][..., None].astype(jnp.float32))
+    return keys, values.reshape(pages, page_size, head_dim)  # [pages, Z, H] each
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, layer_ref, seats_ref,
+    # inputs
+    queries_ref,  # [K, rows, H] the tile's query rows (block_tokens * G), every head
+    kv_pages_hbm,  # [L, P, Z, 2K, Hp] packed codes, left in HBM
+    key_scales_hbm, key_zeros_hbm,  # [L, P, K, H]
+    value_scales_hbm, value_zeros_hbm,  # [L, P, Z, K, H/g]
+    residual_hbm,  # [L, R, Z, 2K, H]
+    out_ref,  # [K, rows, H]
+    # scratch
+    buffer,  # [2, pages_per_block, Z, 2K, Hp]
+    key_scale_buffer, key_zero_buffer,  # [2, pages_per_block, K, H]
+    value_scale_buffer, value_zero_buffer,  # [2, pages_per_block, Z, K, H/g]
+    semaphores,  # [5, 2, pages_per_block]
+    seat_buffer,  # [Z, 2K, H]
+    seat_semaphore,  # [1]
+    running_max, denominator,  # [K, rows, 1]
+    accumulator,  # [K, rows, H]
+    *, bits: int, group: int, block_tokens: int, pages_per_block: int, pages_per_seq: int,
+    sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+):
+    num_kv_heads = queries_ref.shape[0]
+    tile = pl.program_id(0)
+    layer = layer_ref[0]
+    page_size = buffer.shape[2]
+    rows = block_tokens * group
+    block_keys = pages_per_block * page_size
+    tile_start = tile * block_tokens
+    tile_end = tile_start + block_tokens
+
+    running_max[...] = jnp.full(running_max.shape, _MASKED, jnp.float32)
+    denominator[...] = jnp.zeros(denominator.shape, jnp.float32)
+    accumulator[...] = jnp.zeros(accumulator.shape, jnp.float32)
+    queries = [queries_ref[h].astype(jnp.float32) * sm_scale
+               for h in range(num_kv_heads)]  # K x [rows, H]
+    row_token = tile_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
+
+    def sequence_body(sequence, carry):
+        query_start = cu_q_lens_ref[sequence]
+        query_end = cu_q_lens_ref[sequence + 1]
+        kv_len = kv_lens_ref[sequence]
+
+        @pl.when((query_start < tile_end) & (query_end > tile_start) & (kv_len > 0))
+        def _attend():
+            last_token = jnp.minimum(query_end, tile_end) - 1
+            first_token = jnp.maximum(query_start, tile_start)
+            last_position = kv_len - (query_end - last_token)
+            first_key = 0
+            if sliding_window is not None:
+                first_position = kv_len - (query_end - first_token)
+                first_key = jnp.maximum(first_position - sliding_window + 1, 0)
+            first_block = first_key // block_keys
+            end_block = last_position // block_keys + 1
+            # The sequence's partial last page, whose rows its residual seat holds.
+            seat_copy = pltpu.make_async_copy(residual_hbm.at[layer, seats_ref[sequence]],
+                                              seat_buffer, seat_semaphore.at[0])
+            seat_copy.start()
+            seat_copy.wait()
+
+            def copies(block, slot):
+                result = []
+                for page in range(pages_per_block):
+                    entry = jnp.minimum(block * pages_per_block + page, pages_per_seq - 1)
+                    physical = page_indices_ref[sequence * pages_per_seq + entry]
+                    sources = (kv_pages_hbm, key_scales_hbm, key_zeros_hbm, value_scales_hbm,
+                               value_zeros_hbm)
+                    targets = (buffer, key_scale_buffer, key_zero_buffer, value_scale_buffer,
+                               value_zero_buffer)
+                    for index, (source, target) in enumerate(zip(sources, targets,
+                                                                 strict=True)):
+                        result.append(pltpu.make_async_copy(
+                            source.at[layer, physical], target.at[slot, page],
+                            semaphores.at[index, slot, page]))
+                return result
+
+            for copy in copies(first_block, first_block % 2):
+                copy.start()
+
+            def block_body(block, inner_carry):
+                slot = block % 2
+
+                @pl.when(block + 1 < end_block)
+                def _prefetch_next():
+                    for copy in copies(block + 1, (block + 1) % 2):
+                        copy.start()
+
+                for copy in copies(block, slot):
+                    copy.wait()
+                page_number = block * pages_per_block + jax.lax.broadcasted_iota(
+                    jnp.int32, (pages_per_block, 1, 1), 0)  # [pages, 1, 1]
+                partial = page_number == kv_len // page_size  # [pages, 1, 1]
+                seat = seat_buffer[...]  # [Z, 2K, H]
+                key_position = block * block_keys + jax.lax.broadcasted_iota(
+                    jnp.int32, (1, block_keys), 1)  # [1, S]
+                row_position = kv_len - (query_end - row_token)  # [rows, 1]
+                visible = ((row_token >= query_start) & (row_token < query_end)
+                           & (key_position <= row_position) & (key_position < kv_len))
+                if sliding_window is not None:
+                    visible &= row_position - key_position < sliding_window
+                for h in range(num_kv_heads):
+                    keys, values = _dequantized_head(
+                        buffer[slot], key_scale_buffer[slot], key_zero_buffer[slot],
+                        value_scale_buffer[slot], value_zero_buffer[slot], h,
+                        bits)  # [pages, Z, H] each
+                    keys = jnp.where(partial, seat[None, :, 2 * h], keys).reshape(
+                        block_keys, -1)  # [S, H]
+                    values = jnp.where(partial, seat[None, :, 2 * h + 1], values).reshape(
+                        block_keys, -1)  # [S, H]
+                    scores = jax.lax.dot_general(
+                        queries[h], keys, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)  # [rows, S]
+                    if soft_cap is not None:
+                        scores = soft_cap * jnp.tanh(scores / soft_cap)
+                    scores = jnp.where(visible, scores, _MASKED)  # [rows, S]
+                    previous_max = running_max[h]  # [rows, 1]
+                    new_max = jnp.maximum(previous_max, jnp.max(scores, axis=1, keepdims=True))
+                    rescale = jnp.exp(previous_max - new_max)  # [rows, 1]
+                    probabilities = jnp.where(visible, jnp.exp(scores - new_max), 0.0)
+                    denominator[h] = denominator[h] * rescale + jnp.sum(
+                        probabilities, axis=1, keepdims=True)
+                    accumulator[h] = accumulator[h] * rescale + jax.lax.dot_general(
+                        probabilities, values, (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32)  # [rows, H]
+                    running_max[h] = new_max
+                return inner_carry
+
+            jax.lax.fori_loop(first_block, end_block, block_body, 0)
+
+        return carry
+
+    jax.lax.fori_loop(0, num_seqs_ref[0], sequence_body, 0)
+    total = denominator[...]  # [K, rows, 1]
+    out_ref[...] = (accumulator[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+
+
+def ragged_paged_attention_kivi_kernel(
+    queries: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    kv_scales: KiviPool,
+    residual_slots: jax.Array,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    layer: jax.Array | int | None = None,
+    block_tokens: int = 16,
+    pages_per_block: int = 4,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """Attention of packed query tokens to their sequences' KIVI pages, as one Pallas call.
+
+    Args:
+        queries: `[T, N, H]` packed query tokens of all sequences.
+        kv_pages: `[L, P, Z, 2K, H * bits / 8]` packed codes (with `layer`; `[P, Z, 2K, Hp]`
+            without), this step's rows already written.
+        kv_lens, page_indices, cu_q_lens, num_seqs: The ragged batch (`reference.py`).
+        sm_scale: Softmax scale.
+        kv_scales: The pool's `KiviPool`.
+        residual_slots: `[Q]` int32 each sequence's residual seat.
+        sliding_window: Keys visible per query (itself included), or None for all.
+        soft_cap: Logit soft-cap, or None.
+        layer: int32 scalar: the layer to read; None for a one-layer pool.
+        block_tokens: Packed query tokens per program.
+        pages_per_block: Pages copied and computed together.
+        interpret: `pallas_call`'s interpret argument (False compiles for TPU).
+
+    Returns:
+        `[T, N, H]` in the queries' dtype; zeros for padding tokens.
+    """
+    kv_pages, pool, layer = as_stacked(kv_pages, kv_scales, layer)
+    num_tokens, num_heads, head_dim = queries.shape
+    combined_heads = kv_pages.shape[3]
+    num_kv_heads = combined_heads // 2
+    group = num_heads // num_kv_heads
+    max_seqs, pages_per_seq = page_indices.shape
+    pages_per_block = min(pages_per_block, pages_per_seq)
+    num_tiles = -(-num_tokens // block_tokens)
+    padded_tokens = num_tiles * block_tokens
+    rows = block_tokens * group
+    regrouped = queries.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, H]
+    regrouped = jnp.pad(regrouped, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
+    regrouped = regrouped.transpose(1, 0, 2, 3).reshape(
+        num_kv_heads, padded_tokens * group, head_dim)  # [K, T' * G, H]
+
+    kernel = functools.partial(
+        _kernel, bits=bits_of(kv_pages, pool), group=group, block_tokens=block_tokens,
+        pages_per_block=pages_per_block, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    row_block = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda tile, *_: (0, tile, 0))
+    in_hbm = pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM)
+    double = (2, pages_per_block)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(num_tiles,),
+        in_specs=[row_block] + [in_hbm] * 6,
+        out_specs=row_block,
+        scratch_shapes=[
+            pltpu.VMEM((*double, *kv_pages.shape[2:]), kv_pages.dtype),
+            pltpu.VMEM((*double, *pool.key_scales.shape[2:]), pool.key_scales.dtype),
+            pltpu.VMEM((*double, *pool.key_zeros.shape[2:]), pool.key_zeros.dtype),
+            pltpu.VMEM((*double, *pool.value_scales.shape[2:]), pool.value_scales.dtype),
+            pltpu.VMEM((*double, *pool.value_zeros.shape[2:]), pool.value_zeros.dtype),
+            pltpu.SemaphoreType.DMA((5, *double)),
+            pltpu.VMEM(pool.residual.shape[2:], jnp.float32),
+            pltpu.SemaphoreType.DMA((1,)),
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((num_kv_heads, padded_tokens * group, head_dim),
+                                       queries.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+    )(kv_lens.astype(jnp.int32), page_indices.reshape(max_seqs * pages_per_seq).astype(
+        jnp.int32), cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32),
+      jnp.asarray(layer, jnp.int32).reshape(1), residual_slots.astype(jnp.int32), regrouped,
+      kv_pages, pool.key_scales, pool.key_zeros, pool.value_scales, pool.value_zeros,
+      pool.residual)  # [K, T' * G, H]
+    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(
+        1, 0, 2, 3)  # [T', K, G, H]
+    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)  # [T, N, H]
