@@ -697,7 +697,9 @@ def _imported_modules(path):
 def test_host_modules_import_no_jax(module):
     # Statically, including imports inside functions; project imports must stay among the host
     # modules checked here, so that the check covers everything they pull in.
-    allowed_project = {"jaxinfer.engine.host", "jaxinfer.config"} | {
+    # jaxinfer.kv_formats (the KV dtypes' names and byte formulas) imports nothing at all,
+    # checked below, so it brings no jax in.
+    allowed_project = {"jaxinfer.engine.host", "jaxinfer.config", "jaxinfer.kv_formats"} | {
         f"jaxinfer.engine.{name.replace('/', '.')}" for name in HOST_MODULES
         if not name.endswith("__init__")}
     for name in _imported_modules(ENGINE_DIR / f"{module}.py"):
@@ -705,6 +707,11 @@ def test_host_modules_import_no_jax(module):
         assert top not in {"jax", "jaxlib", "flax", "optax", "orbax"}, f"{module}: {name}"
         if top == "jaxinfer":
             assert name in allowed_project, f"{module} imports {name}"
+
+
+def test_kv_formats_imports_nothing():
+    path = ENGINE_DIR.parent / "kv_formats.py"
+    assert set(_imported_modules(path)) <= {"__future__"}, _imported_modules(path)
 
 
 def test_importing_the_engine_package_loads_no_jax():
