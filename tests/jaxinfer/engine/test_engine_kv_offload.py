@@ -131,3 +131,17 @@ def test_tensor_parallel_int8_host_tier_equals_one_device_plain():
     assert _conversations(engine) == expected
     assert engine.stats().host_cache_hits > 0
     _assert_back_to_full(engine)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_host_tier_with_a_harp_model_and_an_fp8_pool_keeps_outputs(kv_cache_dtype):
+    # A HARP model's pool holds only its cached layers; the tier copies whatever the pool
+    # holds (fp8 pages and their scales too), so the same workload gives the same tokens.
+    harp = create_model(get_preset("tiny").replace(num_layers=3, harp_alphas=(0.5,)), seed=1)
+    options = dict(OPTIONS, num_pages=40, kv_cache_dtype=kv_cache_dtype)
+    expected = _conversations(Engine(harp, EngineConfig.from_options(**options)))
+    tiered = Engine(harp, EngineConfig.from_options(kv_offload_bytes=1 << 22, **options))
+    assert tiered.runner.pages.shape[0] == 2
+    assert _conversations(tiered) == expected
+    assert tiered.stats().host_cache_hit_tokens > 0
+    _assert_back_to_full(tiered)
