@@ -79,12 +79,18 @@ def ragged_paged_attention(
     layer index), `kv_pages` is the stacked `[L, P, Z, 2K, H]` pool of every layer (scales
     `[L, P, Z, 2K]`) and that layer's pages are read in place. A KIVI pool (packed uint8
     pages) passes its `KiviPool` as `kv_scales` and each sequence's residual seat as
-    `residual_slots` `[Q]` (`kivi.py`).
+    `residual_slots` `[Q]` (`kivi.py`); "auto" gives it the XLA path on TPU, where its
+    Pallas kernel does not compile yet.
 
     Raises:
         ValueError: An unknown implementation.
     """
     choice = dispatch.resolve(implementation)
+    if implementation == "auto" and choice == "pallas" and isinstance(kv_scales, KiviPool):
+        # Mosaic cannot lower the KIVI kernel's code unpacking yet (the TPU AOT cases record
+        # the compiler's errors); it runs in interpret mode only, and on TPU a KIVI pool
+        # takes the XLA path.
+        choice = "xla"
     arguments = (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if choice in ("pallas", "interpret"):
         page_size = kv_pages.shape[1 if layer is None else 2]
