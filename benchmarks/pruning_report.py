@@ -517,7 +517,7 @@ def markdown(results: dict[str, Any], command: str) -> str:
         f"Dense: PPL {harp['dense_ppl']:.3f}, KV {dense_kv:,} bytes per token, prefill of "
         f"one {harp['prompt_tokens']}-token prompt {harp['prefill_s']['dense'] * 1000:.0f} ms.",
         "",
-        "| layers | alpha | alphas (top layer first) | PPL | / dense | KV bytes / token | "
+        "| layers | alpha | alphas (lowest HARP layer first) | PPL | / dense | KV bytes / token | "
         "KV saved | prefill ms | / dense |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
