@@ -142,7 +142,8 @@ def test_bench_keeps_every_engine_flag_name():
         bucket_growth=4, enable_prefix_caching=True,
         speculative=SpeculativeConfig(method="ngram", num_tokens=2, max_ngram=2),
         tensor_parallel_size=2, data_parallel_size=3, expert_parallel_size=1,
-        kv_cache_dtype="int8", num_pages=99, cache_dtype=None, compilation_cache=None)
+        kv_cache_dtype="int8", num_pages=99, cache_dtype=None, compilation_cache=None,
+        kv_offload_bytes=0, preemption_mode="recompute")
     assert _bench_options("latency", "--no-enable-prefix-caching", "-tp", "2")[
         "tensor_parallel_size"] == 2
 
