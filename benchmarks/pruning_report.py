@@ -45,9 +45,13 @@ from typing import Any
 # Run as a script, this folder leads sys.path, and its kernels.py would shadow a package.
 sys.path[:] = [entry for entry in sys.path if pathlib.Path(entry or ".").resolve()
                != pathlib.Path(__file__).parent.resolve()]
+# The repository root instead, for `benchmarks.machine_load`.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.machine_load import describe, quiet_phase  # noqa: E402
 from checkpoints import save_hf_checkpoint  # noqa: E402
 from jaxinfer.bench.latency import run_latency  # noqa: E402
 from jaxinfer.bench.throughput import machine_info  # noqa: E402
@@ -58,9 +62,15 @@ from jaxinfer.models import Transformer  # noqa: E402
 from jaxinfer.perplexity import perplexity  # noqa: E402
 from jaxinfer.prune import PruningConfig, prune_model  # noqa: E402
 from jaxinfer.prune.harp import harp_prune  # noqa: E402
+from jaxinfer.prune.masks import input_norms  # noqa: E402
 from jaxinfer.prune.structured import structured_prune  # noqa: E402
 from jaxinfer.quant import QuantizationConfig, linear_weight_bytes  # noqa: E402
-from jaxinfer.quant.calibration import calibration_windows  # noqa: E402
+from jaxinfer.quant.calibration import (  # noqa: E402
+    calibration_windows,
+    embedding_output,
+    positions_for,
+    run_block,
+)
 from jaxinfer.quant.kv_cache import kv_bytes_per_token  # noqa: E402
 from jaxinfer.quant.linear import dequantize_model  # noqa: E402
 from jaxinfer.quant.methods import apply_method  # noqa: E402
@@ -234,9 +244,10 @@ def recover(student: Transformer, teacher_name: str, corpus: pathlib.Path, steps
 
 
 def structured_section(teacher: Transformer, texts: Texts, corpus: pathlib.Path,
-                       teacher_name: str, steps: int, batch_sizes: Sequence[int],
-                       iterations: int) -> dict[str, Any]:
-    """Structured pruning, recovery, and decode speed against the dense model."""
+                       teacher_name: str, steps: int
+                       ) -> tuple[dict[str, Any], dict[str, Transformer]]:
+    """Structured pruning and recovery; also returns the dense and recovered models, whose
+    decode speed the timed phase measures."""
     small = structured_prune(teacher, STRUCTURED_SPEC, texts.windows)
     before = ppl(small, texts)
     log(f"structured {STRUCTURED_SPEC}: PPL {before:.3f} before recovery")
@@ -246,20 +257,19 @@ def structured_section(teacher: Transformer, texts: Texts, corpus: pathlib.Path,
         recovery_s = time.perf_counter() - started
     after = ppl(recovered, texts)
     log(f"structured: PPL {after:.3f} after {steps} recovery steps ({recovery_s:.0f} s)")
-    speeds = decode_tokens_per_second({"dense": teacher, "pruned": recovered}, batch_sizes,
-                                      iterations)
     return {"spec": STRUCTURED_SPEC, "dense_parameters": parameter_count(teacher.config),
             "pruned_parameters": parameter_count(recovered.config),
             "pruned_config": {key: getattr(recovered.config, key) for key in (
                 "num_layers", "num_heads", "num_kv_heads", "intermediate_size")},
             "dense_ppl": ppl(teacher, texts), "ppl_before": before, "ppl_after": after,
             "recovery_steps": steps, "recovery_s": recovery_s,
-            "tokens_per_step": 16 * 256, "decode_tokens_per_s": speeds}
+            "tokens_per_step": 16 * 256}, {"dense": teacher, "pruned": recovered}
 
 
 def harp_section(teacher_name: str, texts: Texts, layer_counts: Sequence[int],
-                 prompt_tokens: int, iterations: int) -> dict[str, Any]:
-    """HARP with alpha = 1 and searched, its KV bytes and 2k prefill time."""
+                 prompt_tokens: int) -> tuple[dict[str, Any], dict[str, Transformer]]:
+    """HARP with alpha = 1 and searched, and its KV bytes; also returns the dense model and
+    the searched ones, whose 2k prefill the timed phase measures."""
     # The timing runs a 2048-token prompt, past the demo's 1024 positions: RoPE extends.
     teacher = load_model(teacher_name, max_position_embeddings=max(prompt_tokens + 16, 1024))
     dense_ppl = ppl(teacher, texts)
@@ -276,9 +286,8 @@ def harp_section(teacher_name: str, texts: Texts, layer_counts: Sequence[int],
             rows.append(row)
             if search:
                 timed[f"top {count}"] = model
-    prefill = prefill_seconds(timed, prompt_tokens, iterations)
     return {"dense_ppl": dense_ppl, "dense_kv_bytes_per_token": kv_bytes_per_token(
-        teacher.config), "rows": rows, "prefill_s": prefill, "prompt_tokens": prompt_tokens}
+        teacher.config), "rows": rows, "prompt_tokens": prompt_tokens}, timed
 
 
 def combined_section(teacher: Transformer, texts: Texts) -> dict[str, Any]:
@@ -332,21 +341,44 @@ def smollm2_section(path: pathlib.Path, corpus: pathlib.Path, args: argparse.Nam
              "parameters": parameter_count(dense.config)}, dense, texts)
 
 
-def smollm2_structured_speed(dense: Transformer, texts: Texts, batch_sizes: Sequence[int],
-                             iterations: int) -> dict[str, Any]:
-    """Decode speed of SmolLM2 structurally pruned by about a quarter (no recovery: a
-    135M-parameter distillation does not fit this run), where decode is bound by the
-    weights rather than by the engine's fixed cost per step as in the 8.4M demo."""
+def smollm2_structured(dense: Transformer, texts: Texts
+                       ) -> tuple[dict[str, Any], dict[str, Transformer]]:
+    """SmolLM2 structurally pruned by about a quarter (no recovery: a 135M-parameter
+    distillation does not fit this run); the timed phase measures its decode speed, where
+    decode is bound by the weights rather than by the engine's fixed cost per step as in the
+    8.4M demo."""
     small = structured_prune(dense, SMOLLM2_STRUCTURED_SPEC, texts.windows)
     return {"spec": SMOLLM2_STRUCTURED_SPEC, "dense_parameters": parameter_count(dense.config),
             "pruned_parameters": parameter_count(small.config),
-            "dense_ppl": ppl(dense, texts), "ppl": ppl(small, texts),
-            "decode_tokens_per_s": decode_tokens_per_second(
-                {"dense": dense, "pruned": small}, batch_sizes, iterations)}
+            "dense_ppl": ppl(dense, texts), "ppl": ppl(small, texts)}, {
+                "dense": dense, "pruned": small}
+
+
+def input_norm_spread(model: Transformer, windows: np.ndarray) -> dict[str, float]:
+    """How unequal the per-channel norms of the blocks' linear inputs are on the calibration
+    windows. Wanda's score is |W_ij| * ||X_j||: where the norms are nearly equal within an
+    input it ranks weights as magnitude does, and only outlier channels (a few inputs with
+    far larger norms, as in large LLMs) make it differ. Medians over every captured input
+    (q/k/v share one, gate/up one, o and down their own) of max / median norm and of the
+    coefficient of variation."""
+    token_ids = jnp.asarray(windows)  # [B, T]
+    positions = positions_for(token_ids)  # [B, T]
+    x = embedding_output(model, token_ids)  # [B, T, D]
+    peaks, variations = [], []
+    for block in model.layers:
+        x, inputs = run_block(block, x, positions)  # [B, T, D], site -> [B * T, I]
+        for captured in inputs.values():
+            norms = input_norms(captured)  # [I]
+            peaks.append(float(np.max(norms) / np.median(norms)))
+            variations.append(float(np.std(norms) / np.mean(norms)))
+    return {"max_over_median": float(np.median(peaks)), "largest_max_over_median":
+            float(np.max(peaks)), "coefficient_of_variation": float(np.median(variations))}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every section, in one process."""
+    """Every section, in one process: the quality figures (which do not depend on the load)
+    first, building every model the timings need; then one timed phase, run once the
+    machine is quiet (`benchmarks/machine_load.py`), which records its load and peaks."""
     corpus = pathlib.Path(args.corpus)
     started = time.time()
     teacher = load_model(args.model)
@@ -354,19 +386,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                          args.ppl_tokens, args.calib_tokens)
     results: dict[str, Any] = {"machine": machine_info(), "model": args.model}
     results["demo"] = method_sweep(teacher, texts, args.sparsities, "demo")
+    results["demo"]["input_norms"] = input_norm_spread(teacher, texts.windows)
     results["combined"] = combined_section(teacher, texts)
-    smollm2 = None
+    smollm2_timed = None
     if args.smollm2:
-        results["smollm2"], *smollm2 = smollm2_section(pathlib.Path(args.smollm2), corpus, args)
-    # The timed sections last, after the quality sweeps, with nothing else running.
-    results["harp"] = harp_section(args.model, texts, args.harp_layers, args.prefill_tokens,
-                                   args.iterations)
-    results["structured"] = structured_section(teacher, texts, corpus, args.model,
-                                               args.recovery_steps, args.batch_sizes,
-                                               args.iterations)
-    if smollm2:
-        results["smollm2_structured"] = smollm2_structured_speed(*smollm2, args.batch_sizes,
-                                                                 args.iterations)
+        results["smollm2"], dense, smollm2_texts = smollm2_section(
+            pathlib.Path(args.smollm2), corpus, args)
+        results["smollm2"]["input_norms"] = input_norm_spread(dense, smollm2_texts.windows)
+        results["smollm2_structured"], smollm2_timed = smollm2_structured(dense, smollm2_texts)
+    results["harp"], harp_timed = harp_section(args.model, texts, args.harp_layers,
+                                               args.prefill_tokens)
+    results["structured"], structured_timed = structured_section(
+        teacher, texts, corpus, args.model, args.recovery_steps)
+    log("quality figures done; the timed phase waits for a quiet machine")
+    with quiet_phase(args.max_load, args.quiet_timeout) as record:
+        results["harp"]["prefill_s"] = prefill_seconds(harp_timed, args.prefill_tokens,
+                                                       args.iterations)
+        results["structured"]["decode_tokens_per_s"] = decode_tokens_per_second(
+            structured_timed, args.batch_sizes, args.iterations)
+        if smollm2_timed is not None:
+            results["smollm2_structured"]["decode_tokens_per_s"] = decode_tokens_per_second(
+                smollm2_timed, args.batch_sizes, args.iterations)
+    results["timed_phase"] = record
     results["minutes"] = (time.time() - started) / 60
     return results
 
@@ -427,6 +468,40 @@ def acceptance(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _norm_spread(results: dict[str, Any]) -> list[str]:
+    """Why Wanda can or cannot beat magnitude on each model: its input norms' spread."""
+    spread = {label: results[label]["input_norms"] for label in ("demo", "smollm2")
+              if label in results and "input_norms" in results[label]}
+    lines = ["Wanda's score is |W| x ||X|| per input channel, so it ranks differently from "
+             "magnitude only where some input channels carry far larger norms (the outlier "
+             "features of large LLMs); SparseGPT's update also gains most there. Spread of "
+             "the blocks' linear inputs' channel norms on the calibration windows (medians "
+             "over every captured input):", "",
+             "| model | max / median norm | largest max / median | coefficient of variation "
+             "| 50% magnitude PPL / dense |", "| --- | ---: | ---: | ---: | ---: |"]
+    for label, values in spread.items():
+        sweep = results[label]
+        lines.append(f"| {label} | {values['max_over_median']:.2f} | "
+                     f"{values['largest_max_over_median']:.2f} | "
+                     f"{values['coefficient_of_variation']:.2f} | "
+                     f"{_fifty(sweep, 'magnitude') / sweep['dense_ppl']:.3f}x |")
+    return lines
+
+
+def _step_floor(section: dict[str, Any], read_gb_per_s: float) -> list[str]:
+    """Measured ms per decode step against the step's weight-read floor (every parameter
+    read once at the read bandwidth measured in the timed phase), dense and pruned."""
+    lines = []
+    for name, key in (("dense", "dense_parameters"), ("pruned", "pruned_parameters")):
+        floor_ms = section[key] * 4 / (read_gb_per_s * 1e9) * 1000
+        steps = ", ".join(f"@ {size}: {size * 1000 / speed:.2f} ms"
+                          for size, speed in section["decode_tokens_per_s"][name].items())
+        lines.append(f"- {name}: ms per decode step {steps}; weight-read floor "
+                     f"{floor_ms:.2f} ms ({section[key] * 4 / 1e6:.1f} MB of float32 "
+                     f"parameters at {read_gb_per_s} GB/s)")
+    return lines
+
+
 def markdown(results: dict[str, Any], command: str) -> str:
     """The results file."""
     machine = results["machine"]
@@ -439,6 +514,9 @@ def markdown(results: dict[str, Any], command: str) -> str:
         f"{machine['python']}, jax {machine['jax']} ({machine['jax_backend']}), git "
         f"{machine['git']}",
         f"- Date: {machine['date']}; the whole run took {results['minutes']:.0f} minutes.",
+        "- Load: the quality figures (perplexity, bytes, chat answers) do not depend on it; "
+        "the timed figures (HARP prefill, decode tok/s) come from one phase at the end. "
+        + describe(results["timed_phase"]),
         f"- Held-out text: {demo['scored_tokens']} scored tokens of the Python-docs validation "
         "split, disjoint 256-token windows; calibration: "
         f"{demo['calibration'][0]} x {demo['calibration'][1]} tokens of the training split. "
@@ -448,6 +526,8 @@ def markdown(results: dict[str, Any], command: str) -> str:
         "## Against the acceptance figures",
         "",
         *acceptance(results),
+        "",
+        *_norm_spread(results),
         "",
         "## Methods on the demo teacher (`builtin:demo`, 8.4M parameters)",
         "",
@@ -494,6 +574,10 @@ def markdown(results: dict[str, Any], command: str) -> str:
         + " | ".join(f"{speeds['pruned'][size]:.0f} "
                      f"({speeds['pruned'][size] / speeds['dense'][size]:.2f}x)"
                      for size in sizes) + " |",
+        "", "Decode step time against its floor: where the measured step is far above the "
+        "weight-read floor, the engine's fixed cost per step (scheduling, packing, dispatch, "
+        "sampling) dominates and a smaller model cannot speed it up in proportion.", "",
+        *_step_floor(structured, results["timed_phase"]["read_gb_per_s"]),
     ]
     if "smollm2_structured" in results:
         section = results["smollm2_structured"]
@@ -509,7 +593,8 @@ def markdown(results: dict[str, Any], command: str) -> str:
             f"| pruned | {section['pruned_parameters']:,} | "
             + " | ".join(f"{speeds['pruned'][size]:.1f} "
                          f"({speeds['pruned'][size] / speeds['dense'][size]:.2f}x)"
-                         for size in sizes) + " |"]
+                         for size in sizes) + " |", "",
+            *_step_floor(section, results["timed_phase"]["read_gb_per_s"])]
     harp = results["harp"]
     dense_kv = harp["dense_kv_bytes_per_token"]
     lines += [
@@ -570,6 +655,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recovery-steps", type=int, default=100)
     parser.add_argument("--batch-sizes", type=_ints, default=(1, 32))
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--max-load", type=float, default=0.5,
+                        help="the timed phase waits until the 1-minute load average is below")
+    parser.add_argument("--quiet-timeout", type=float, default=3600.0,
+                        help="seconds to wait for that before timing anyway (and saying so)")
     parser.add_argument("--json", help="also write the numbers here")
     parser.add_argument("--out", default="benchmarks/results/pruning.md")
     args = parser.parse_args(argv)
