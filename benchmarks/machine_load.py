@@ -8,17 +8,23 @@ falls below a threshold, then measures the machine's peaks (matmul rate and read
 `jaxinfer.bench.roofline.measure_peaks`) so the timings can be judged against this
 session's CPU, and when the phase ends records the load again.
 
-Our own process is idle while it waits (sleeping), so it does not hold the average up.
+Our own process is idle while it waits (sleeping), so it does not hold the average up. Two
+benchmarks waiting at once would both see the machine go quiet and start together, so a
+phase first takes an exclusive lock (`LOCK_PATH`, `fcntl.flock`): timed phases of different
+benchmarks run one after the other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
+
+LOCK_PATH = "/tmp/jaxinfer-timed-phase.lock"
 
 
 def load_average() -> float:
@@ -50,15 +56,17 @@ def quiet_phase(max_load: float = 0.5, timeout_s: float = 3600.0) -> Iterator[di
     load at start and end, the UTC times, and the machine's measured peaks."""
     from jaxinfer.bench.roofline import measure_peaks
 
-    record = wait_for_quiet(max_load, timeout_s)
-    record["max_load"] = max_load
-    record["started_utc"] = time.strftime("%H:%M", time.gmtime())
-    peaks = measure_peaks()
-    record["matmul_gflops"] = round(peaks.matmul_flops / 1e9, 1)
-    record["read_gb_per_s"] = round(peaks.read_bytes / 1e9, 1)
-    yield record
-    record["ended_utc"] = time.strftime("%H:%M", time.gmtime())
-    record["load_at_end"] = round(load_average(), 2)
+    with open(LOCK_PATH, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another benchmark's timed phase runs first
+        record = wait_for_quiet(max_load, timeout_s)
+        record["max_load"] = max_load
+        record["started_utc"] = time.strftime("%H:%M", time.gmtime())
+        peaks = measure_peaks()
+        record["matmul_gflops"] = round(peaks.matmul_flops / 1e9, 1)
+        record["read_gb_per_s"] = round(peaks.read_bytes / 1e9, 1)
+        yield record
+        record["ended_utc"] = time.strftime("%H:%M", time.gmtime())
+        record["load_at_end"] = round(load_average(), 2)
 
 
 def describe(record: dict[str, Any]) -> str:
