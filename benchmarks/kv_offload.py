@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out != "-":
         replace_section(Path(args.out), SECTION + ("-small" if args.small else ""), text,
-                        title="KV memory: host tier and low-bit KV caches")
+                        title="KV memory: host tier, low-bit KV caches and FP8 weights")
     return 0 if identical == len(plain.answers) else 1
 
 
