@@ -60,20 +60,21 @@ TPU_VENV ?= .venv-tpu
 TPU_PY := $(TPU_VENV)/bin/python
 TPU_STAMP := $(TPU_VENV)/.installed
 
-$(TPU_STAMP): pyproject.toml
+$(TPU_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(MAKE) $(STAMP)
 	$(PYTHON) -m venv $(TPU_VENV)
 	$(TPU_PY) -m pip install --quiet --upgrade pip
 	$(TPU_PY) -m pip install --quiet "jax[tpu]==$$($(PY) -c 'import jax; print(jax.__version__)')" \
-		-e . pytest
+		-e . pytest pytest-xdist
 	touch $(TPU_STAMP)
 
 tpu-env: $(TPU_STAMP)
 
 # The first line fails at once, with libtpu's own message, when the TPU compiler cannot load.
+# Two workers share the cases (each compile is mostly one thread).
 tpu-check: $(TPU_STAMP)
 	$(TPU_PY) -c "from pallas_kernels.aot import topology_devices; topology_devices('v5e')"
-	$(TPU_PY) -m pytest -q -m tpu_aot --durations=10 \
+	$(TPU_PY) -m pytest -q -n 2 -m tpu_aot --durations=10 \
 		tests/pallas_kernels/test_tpu_aot.py tests/jaxinfer/engine/test_aot_tpu.py
 
 # vLLM for CPU, the peer of `jaxinfer bench throughput --compare hf,vllm`, in its own
