@@ -646,9 +646,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calib-tokens", type=int, default=8192)
     parser.add_argument("--smollm2-calib-tokens", type=int, default=8192)
     parser.add_argument("--sparsities", type=_floats, default=(0.3, 0.4, 0.5, 0.6, 0.7))
-    # SparseGPT on SmolLM2 takes minutes per model here (float64 sweeps over 30 layers):
-    # three sparsities keep the whole report near half an hour.
-    parser.add_argument("--smollm2-sparsities", type=_floats, default=(0.3, 0.5, 0.7))
+    # The demo's five sparsities: the issue asks for the same table. SparseGPT on SmolLM2
+    # takes minutes per model here (float64 sweeps over 30 layers), so the whole run is near
+    # two hours on 2 cores; `--smollm2-sparsities 0.3,0.5,0.7` shortens it.
+    parser.add_argument("--smollm2-sparsities", type=_floats, default=(0.3, 0.4, 0.5, 0.6, 0.7))
     parser.add_argument("--chat-tokens", type=int, default=48)
     parser.add_argument("--harp-layers", type=_ints, default=(1, 2, 3))
     parser.add_argument("--prefill-tokens", type=int, default=2048)
