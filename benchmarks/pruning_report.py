@@ -51,7 +51,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.machine_load import describe, quiet_phase  # noqa: E402
+from benchmarks.machine_load import quiet_phase  # noqa: E402
+from benchmarks.pruning_markdown import markdown  # noqa: E402
 from checkpoints import save_hf_checkpoint  # noqa: E402
 from jaxinfer.bench.latency import run_latency  # noqa: E402
 from jaxinfer.bench.throughput import machine_info  # noqa: E402
@@ -412,218 +413,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def _sweep_table(sweep: dict[str, Any]) -> list[str]:
-    """PPL (and its ratio to dense) per method row and sparsity, then 2:4."""
-    sparsities = list(sweep["rows"][0]["ppl"])
-    dense = sweep["dense_ppl"]
-    lines = ["| method | layer sparsities | " + " | ".join(
-        f"{float(s):.0%}" for s in sparsities) + " |",
-             "| --- | --- | " + " | ".join("---:" for _ in sparsities) + " |"]
-    for row in sweep["rows"]:
-        cells = [f"{row['ppl'][s]:.2f} ({row['ppl'][s] / dense:.2f}x)" for s in sparsities]
-        lines.append(f"| {row['method']} | {'OWL' if row['owl'] else 'uniform'} | "
-                     + " | ".join(cells) + " |")
-    lines += ["", f"Dense: PPL {dense:.3f}. At 2:4 (50% in every group of 4 inputs): "
-              + ", ".join(f"{method} {value:.2f} ({value / dense:.2f}x)"
-                          for method, value in sweep["two_four"].items()) + "."]
-    return lines
-
-
-def _fifty(sweep: dict[str, Any], method: str) -> float:
-    return next(row["ppl"]["0.5"] for row in sweep["rows"]
-                if row["method"] == method and not row["owl"])
-
-
-def acceptance(results: dict[str, Any]) -> list[str]:
-    """The issue's figures against their targets."""
-    lines = ["| figure | target | measured | holds |", "| --- | --- | --- | --- |"]
-    for label in ("demo", "smollm2"):
-        if label not in results:
-            continue
-        sweep = results[label]
-        dense = sweep["dense_ppl"]
-        magnitude = _fifty(sweep, "magnitude") - dense
-        for method in ("wanda", "sparsegpt"):
-            value = _fifty(sweep, method)
-            lines.append(f"| {label}: {method} 50% PPL / dense | <= 1.5x | "
-                         f"{value / dense:.3f}x | {'yes' if value / dense <= 1.5 else 'no'} |")
-            lines.append(f"| {label}: {method} 50% PPL increase / magnitude's | <= 0.5 | "
-                         f"{(value - dense) / magnitude:.3f} | "
-                         f"{'yes' if value - dense <= 0.5 * magnitude else 'no'} |")
-    structured = results["structured"]
-    removed = 1 - structured["pruned_parameters"] / structured["dense_parameters"]
-    lines.append(f"| structured: parameters removed | about 25% | {removed:.1%} | "
-                 f"{'yes' if 0.2 <= removed <= 0.3 else 'no'} |")
-    for label, section in (("demo", structured), ("SmolLM2",
-                                                   results.get("smollm2_structured"))):
-        if section is None:
-            continue
-        removed = 1 - section["pruned_parameters"] / section["dense_parameters"]
-        speeds = section["decode_tokens_per_s"]
-        for size in speeds["dense"]:
-            ratio = speeds["pruned"][size] / speeds["dense"][size]
-            lines.append(f"| structured, {label}: decode speed-up @ {size} | follows "
-                         f"1 / (1 - {removed:.1%}) = {1 / (1 - removed):.2f}x | "
-                         f"{ratio:.2f}x | see the section |")
-    return lines
-
-
-def _norm_spread(results: dict[str, Any]) -> list[str]:
-    """Why Wanda can or cannot beat magnitude on each model: its input norms' spread."""
-    spread = {label: results[label]["input_norms"] for label in ("demo", "smollm2")
-              if label in results and "input_norms" in results[label]}
-    lines = ["Wanda's score is |W| x ||X|| per input channel, so it ranks differently from "
-             "magnitude only where some input channels carry far larger norms (the outlier "
-             "features of large LLMs); SparseGPT's update also gains most there. Spread of "
-             "the blocks' linear inputs' channel norms on the calibration windows (medians "
-             "over every captured input):", "",
-             "| model | max / median norm | largest max / median | coefficient of variation "
-             "| 50% magnitude PPL / dense |", "| --- | ---: | ---: | ---: | ---: |"]
-    for label, values in spread.items():
-        sweep = results[label]
-        lines.append(f"| {label} | {values['max_over_median']:.2f} | "
-                     f"{values['largest_max_over_median']:.2f} | "
-                     f"{values['coefficient_of_variation']:.2f} | "
-                     f"{_fifty(sweep, 'magnitude') / sweep['dense_ppl']:.3f}x |")
-    return lines
-
-
-def _step_floor(section: dict[str, Any], read_gb_per_s: float) -> list[str]:
-    """Measured ms per decode step against the step's weight-read floor (every parameter
-    read once at the read bandwidth measured in the timed phase), dense and pruned."""
-    lines = []
-    for name, key in (("dense", "dense_parameters"), ("pruned", "pruned_parameters")):
-        floor_ms = section[key] * 4 / (read_gb_per_s * 1e9) * 1000
-        steps = ", ".join(f"@ {size}: {size * 1000 / speed:.2f} ms"
-                          for size, speed in section["decode_tokens_per_s"][name].items())
-        lines.append(f"- {name}: ms per decode step {steps}; weight-read floor "
-                     f"{floor_ms:.2f} ms ({section[key] * 4 / 1e6:.1f} MB of float32 "
-                     f"parameters at {read_gb_per_s} GB/s)")
-    return lines
-
-
-def markdown(results: dict[str, Any], command: str) -> str:
-    """The results file."""
-    machine = results["machine"]
-    demo = results["demo"]
-    lines = [
-        "# Pruning: methods, structured pruning with recovery, HARP, sparse + quantized",
-        "",
-        f"- Command: `{command}`",
-        f"- Machine: {machine['platform']}, {machine['cpu_count']} CPUs (shared), Python "
-        f"{machine['python']}, jax {machine['jax']} ({machine['jax_backend']}), git "
-        f"{machine['git']}",
-        f"- Date: {machine['date']}; the whole run took {results['minutes']:.0f} minutes.",
-        "- Load: the quality figures (perplexity, bytes, chat answers) do not depend on it; "
-        "the timed figures (HARP prefill, decode tok/s) come from one phase at the end. "
-        + describe(results["timed_phase"]),
-        f"- Held-out text: {demo['scored_tokens']} scored tokens of the Python-docs validation "
-        "split, disjoint 256-token windows; calibration: "
-        f"{demo['calibration'][0]} x {demo['calibration'][1]} tokens of the training split. "
-        "Every block linear (q, k, v, o, gate, up, down) is pruned; the embedding and the LM "
-        "head stay dense. OWL: lambda 0.08, M 5.",
-        "",
-        "## Against the acceptance figures",
-        "",
-        *acceptance(results),
-        "",
-        *_norm_spread(results),
-        "",
-        "## Methods on the demo teacher (`builtin:demo`, 8.4M parameters)",
-        "",
-        "Held-out PPL (ratio to dense) against the sparsity of every block linear:",
-        "",
-        *_sweep_table(demo),
-    ]
-    if "smollm2" in results:
-        smollm2 = results["smollm2"]
-        lines += ["", "## Methods on SmolLM2-135M-Instruct (real, pretrained)", "",
-                  f"{smollm2['parameters'] / 1e6:.0f}M parameters; the Q4_1 GGUF's values "
-                  "dequantized to float32 are the dense model. Held-out PPL "
-                  f"({smollm2['scored_tokens']} tokens of the same split, SmolLM2's "
-                  f"tokenizer; calibration {smollm2['calibration'][0]} x "
-                  f"{smollm2['calibration'][1]} tokens):", "", *_sweep_table(smollm2), "",
-                  "Chat answers (greedy, through the chat template):", ""]
-        for index, prompt in enumerate(smollm2["prompts"]):
-            lines += [f"**{prompt}**", ""]
-            for name, answers in smollm2["answers"].items():
-                text = " ".join(answers[index].split())
-                lines.append(f"- *{name}*: {text}")
-            lines.append("")
-    structured = results["structured"]
-    speeds = structured["decode_tokens_per_s"]
-    sizes = list(speeds["dense"])
-    lines += [
-        "", "## Structured pruning and recovery (demo teacher)", "",
-        f"`jaxinfer prune --structured {structured['spec']}` (activation importance; "
-        f"config after: {structured['pruned_config']}), then "
-        f"{structured['recovery_steps']} steps of recovery distillation from the dense "
-        f"teacher (`{RECOVER_CONFIG}`: forward KL at T=1 + CE, "
-        f"{structured['tokens_per_step']} tokens a step, {structured['recovery_s']:.0f} s).",
-        "",
-        "| model | parameters | PPL | " + " | ".join(
-            f"decode tok/s @ {size}" for size in sizes) + " |",
-        "| --- | ---: | ---: | " + " | ".join("---:" for _ in sizes) + " |",
-        f"| dense | {structured['dense_parameters']:,} | {structured['dense_ppl']:.3f} | "
-        + " | ".join(f"{speeds['dense'][size]:.0f}" for size in sizes) + " |",
-        f"| pruned, before recovery | {structured['pruned_parameters']:,} | "
-        f"{structured['ppl_before']:.3f} | " + " | ".join("same as below" for _ in sizes)
-        + " |",
-        f"| pruned, after recovery | {structured['pruned_parameters']:,} | "
-        f"{structured['ppl_after']:.3f} | "
-        + " | ".join(f"{speeds['pruned'][size]:.0f} "
-                     f"({speeds['pruned'][size] / speeds['dense'][size]:.2f}x)"
-                     for size in sizes) + " |",
-        "", "Decode step time against its floor: where the measured step is far above the "
-        "weight-read floor, the engine's fixed cost per step (scheduling, packing, dispatch, "
-        "sampling) dominates and a smaller model cannot speed it up in proportion.", "",
-        *_step_floor(structured, results["timed_phase"]["read_gb_per_s"]),
-    ]
-    if "smollm2_structured" in results:
-        section = results["smollm2_structured"]
-        speeds = section["decode_tokens_per_s"]
-        lines += [
-            "", f"SmolLM2-135M-Instruct, `--structured {section['spec']}`, no recovery "
-            f"(PPL {section['dense_ppl']:.2f} -> {section['ppl']:.2f}), for the speed of a "
-            "model whose decode step is bound by its weights:", "",
-            "| model | parameters | " + " | ".join(f"decode tok/s @ {size}" for size in sizes)
-            + " |", "| --- | ---: | " + " | ".join("---:" for _ in sizes) + " |",
-            f"| dense | {section['dense_parameters']:,} | "
-            + " | ".join(f"{speeds['dense'][size]:.1f}" for size in sizes) + " |",
-            f"| pruned | {section['pruned_parameters']:,} | "
-            + " | ".join(f"{speeds['pruned'][size]:.1f} "
-                         f"({speeds['pruned'][size] / speeds['dense'][size]:.2f}x)"
-                         for size in sizes) + " |", "",
-            *_step_floor(section, results["timed_phase"]["read_gb_per_s"])]
-    harp = results["harp"]
-    dense_kv = harp["dense_kv_bytes_per_token"]
-    lines += [
-        "", "## HARP: top layers' attention as W_o W_v (demo teacher)", "",
-        f"Dense: PPL {harp['dense_ppl']:.3f}, KV {dense_kv:,} bytes per token, prefill of "
-        f"one {harp['prompt_tokens']}-token prompt {harp['prefill_s']['dense'] * 1000:.0f} ms.",
-        "",
-        "| layers | alpha | alphas (lowest HARP layer first) | PPL | / dense | KV bytes / token | "
-        "KV saved | prefill ms | / dense |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for row in harp["rows"]:
-        timed = f"top {row['layers']}"
-        prefill = (f"{harp['prefill_s'][timed] * 1000:.0f} | "
-                   f"{harp['prefill_s'][timed] / harp['prefill_s']['dense']:.2f}"
-                   if row["search"] else "- | -")
-        lines.append(
-            f"| {row['layers']} | {'searched' if row['search'] else '1'} | "
-            f"{', '.join(f'{a:.2f}' for a in row['alphas'])} | {row['ppl']:.3f} | "
-            f"{row['ppl'] / harp['dense_ppl']:.3f} | {row['kv_bytes_per_token']:,} | "
-            f"{1 - row['kv_bytes_per_token'] / dense_kv:.1%} | {prefill} |")
-    lines += ["", "## 2:4 sparse + int4 (demo teacher)", "",
-              "| weights | PPL | block linear bytes | / bf16 |", "| --- | ---: | ---: | ---: |"]
-    for row in results["combined"]["rows"]:
-        lines.append(f"| {row['name']} | {row['ppl']:.3f} | {row['block_bytes']:,} | "
-                     f"{row['block_bytes'] / row['block_bf16_bytes']:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(part) for part in text.split(","))
 
@@ -661,13 +450,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet-timeout", type=float, default=3600.0,
                         help="seconds to wait for that before timing anyway (and saying so)")
     parser.add_argument("--json", help="also write the numbers here")
+    parser.add_argument("--render", metavar="JSON",
+                        help="measure nothing: re-write --out from an earlier run's --json")
+    parser.add_argument("--command", help="with --render, the measuring command to show "
+                        "when the JSON predates its 'command' field")
     parser.add_argument("--out", default="benchmarks/results/pruning.md")
     args = parser.parse_args(argv)
-    command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(),
-                                    *(argv or sys.argv[1:])])
-    results = measure(args)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.render:
+        results = json.loads(pathlib.Path(args.render).read_text())
+        command = results.get("command") or args.command
+        if not command:
+            parser.error(f"{args.render} has no 'command': pass --command")
+    else:
+        command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(),
+                                        *(argv or sys.argv[1:])])
+        results = {**measure(args), "command": command}
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+    results["structured"].setdefault("recover_config", RECOVER_CONFIG)
     text = markdown(results, command)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(text)
