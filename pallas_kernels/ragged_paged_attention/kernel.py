@@ -40,8 +40,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.reference import as_stacked
-
-_MASKED = -1e30  # finite: a row that sees nothing keeps exp(...) == 0 instead of NaN
+from pallas_kernels.ragged_paged_attention.walk import (
+    fold_block,
+    key_block_range,
+    regroup_queries,
+    start_accumulators,
+    ungroup_output,
+    visible_keys,
+    walk_pages,
+    write_output,
+)
 
 
 def _kernel(
@@ -86,9 +94,7 @@ def _kernel(
     tile_start = tile * block_tokens
     tile_end = tile_start + block_tokens
 
-    running_max[...] = jnp.full(running_max.shape, _MASKED, jnp.float32)
-    denominator[...] = jnp.zeros(denominator.shape, jnp.float32)
-    accumulator[...] = jnp.zeros(accumulator.shape, jnp.float32)
+    start_accumulators(running_max, denominator, accumulator)
     queries = [queries_ref[h].astype(jnp.float32) * sm_scale
                for h in range(heads_per_block)]  # E x [rows, H]
     row_token = tile_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [rows, 1]
@@ -100,17 +106,9 @@ def _kernel(
 
         @pl.when((query_start < tile_end) & (query_end > tile_start) & (kv_len > 0))
         def _attend():
-            # Keys this tile's tokens of the sequence can see: from the window's start of the
-            # tile's first token to the last token's position.
-            last_token = jnp.minimum(query_end, tile_end) - 1
-            first_token = jnp.maximum(query_start, tile_start)
-            last_position = kv_len - (query_end - last_token)
-            first_key = 0
-            if sliding_window is not None:
-                first_position = kv_len - (query_end - first_token)
-                first_key = jnp.maximum(first_position - sliding_window + 1, 0)
-            first_block = first_key // block_keys
-            end_block = last_position // block_keys + 1
+            first_block, end_block = key_block_range(
+                kv_len, query_start, query_end, tile_start, tile_end, block_keys,
+                sliding_window)
 
             def copies(block, slot):
                 result = []
@@ -127,31 +125,14 @@ def _kernel(
                             scale_buffer.at[slot, page], scale_semaphores.at[slot, page]))
                 return result
 
-            for copy in copies(first_block, first_block % 2):
-                copy.start()
-
-            def block_body(block, inner_carry):
-                slot = block % 2
-
-                @pl.when(block + 1 < end_block)
-                def _prefetch_next():
-                    for copy in copies(block + 1, (block + 1) % 2):
-                        copy.start()
-
-                for copy in copies(block, slot):
-                    copy.wait()
+            def attend_block(block, slot):
                 pages = buffer[slot]  # [pages_per_block, Z, 2E, H]
                 if quantized:
                     pages = pages.astype(jnp.float32)
                     page_scales = scale_buffer[slot]  # [pages_per_block, Z, 2K]
                     column = jax.lax.broadcasted_iota(jnp.int32, page_scales.shape, 2)
-                key_position = block * block_keys + jax.lax.broadcasted_iota(
-                    jnp.int32, (1, block_keys), 1)  # [1, S]
-                row_position = kv_len - (query_end - row_token)  # [rows, 1]
-                visible = ((row_token >= query_start) & (row_token < query_end)
-                           & (key_position <= row_position) & (key_position < kv_len))
-                if sliding_window is not None:
-                    visible &= row_position - key_position < sliding_window
+                visible = visible_keys(block, block_keys, kv_len, query_start, query_end,
+                                       row_token, sliding_window)  # [rows, S]
                 for h in range(heads_per_block):
                     keys = pages[:, :, 2 * h, :].reshape(block_keys, -1).astype(
                         jnp.float32)  # [S, H]
@@ -167,32 +148,15 @@ def _kernel(
 
                         keys = keys * scales_of(key_column)
                         values = values * scales_of(key_column + 1)
-                    scores = jax.lax.dot_general(
-                        queries[h], keys, (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32)  # [rows, S]
-                    if soft_cap is not None:
-                        scores = soft_cap * jnp.tanh(scores / soft_cap)
-                    scores = jnp.where(visible, scores, _MASKED)  # [rows, S]
-                    previous_max = running_max[h]  # [rows, 1]
-                    new_max = jnp.maximum(previous_max, jnp.max(scores, axis=1, keepdims=True))
-                    rescale = jnp.exp(previous_max - new_max)  # [rows, 1]
-                    probabilities = jnp.where(visible, jnp.exp(scores - new_max),
-                                              0.0)  # [rows, S]
-                    denominator[h] = denominator[h] * rescale + jnp.sum(
-                        probabilities, axis=1, keepdims=True)
-                    accumulator[h] = accumulator[h] * rescale + jax.lax.dot_general(
-                        probabilities, values, (((1,), (0,)), ((), ())),
-                        preferred_element_type=jnp.float32)  # [rows, H]
-                    running_max[h] = new_max
-                return inner_carry
+                    fold_block(h, queries[h], keys, values, visible, running_max, denominator,
+                               accumulator, soft_cap)
 
-            jax.lax.fori_loop(first_block, end_block, block_body, 0)
+            walk_pages(first_block, end_block, copies, attend_block)
 
         return carry
 
     jax.lax.fori_loop(0, num_seqs_ref[0], sequence_body, 0)
-    total = denominator[...]  # [E, rows, 1]
-    out_ref[...] = (accumulator[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+    write_output(out_ref, denominator, accumulator)
 
 
 def int8_heads_per_block(num_kv_heads: int) -> int:
@@ -250,24 +214,12 @@ def ragged_paged_attention_kernel(
     num_tokens, num_heads, head_dim = queries.shape
     _, _, page_size, combined_heads, _ = kv_pages.shape
     num_kv_heads = combined_heads // 2
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
     max_seqs, pages_per_seq = page_indices.shape
     pages_per_block = min(pages_per_block, pages_per_seq)
-    num_tiles = -(-num_tokens // block_tokens)
-    padded_tokens = num_tiles * block_tokens
+    regrouped = regroup_queries(queries, num_kv_heads, block_tokens)  # [K, T' * G, H]
+    num_tiles = regrouped.shape[1] // (block_tokens * group)
     rows = block_tokens * group
-
-    # The barrier keeps the regrouping below on the (small) queries: without it the TPU
-    # compiler moved the transpose into the layout of the projection that made them, and
-    # copied the whole q_proj weight into that layout every step (found compiling
-    # Llama-3-8B's step for v5e: 4 MiB per layer and chip).
-    queries = jax.lax.optimization_barrier(queries)  # [T, N, H]
-    regrouped = queries.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, H]
-    regrouped = jnp.pad(regrouped, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
-    regrouped = regrouped.transpose(1, 0, 2, 3).reshape(
-        num_kv_heads, padded_tokens * group, head_dim)  # [K, T' * G, H]
 
     quantized = kv_scales is not None
     heads_per_block = int8_heads_per_block(num_kv_heads) if quantized else 1
@@ -301,14 +253,11 @@ def ragged_paged_attention_kernel(
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, padded_tokens * group, head_dim),
-                                       queries.dtype),
+        out_shape=jax.ShapeDtypeStruct(regrouped.shape, queries.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(max_seqs * pages_per_seq).astype(
         jnp.int32), cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32),
       jnp.asarray(layer, jnp.int32).reshape(1), regrouped,
       kv_pages, *([kv_scales.astype(jnp.float32)] if quantized else []))  # [K, T' * G, H]
-    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(
-        1, 0, 2, 3)  # [T', K, G, H]
-    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)  # [T, N, H]
+    return ungroup_output(out, num_tokens, num_heads)  # [T, N, H]

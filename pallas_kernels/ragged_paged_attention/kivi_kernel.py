@@ -1,10 +1,11 @@
 """Ragged paged attention over a KIVI (int4 / int2) pool, as a Pallas TPU kernel (tested in
 interpret mode on CPU).
 
-The walk is `kernel.py`'s (a program per block of query tokens, every KV head in it; each
-sequence whose tokens meet the tile walks its pages in blocks of `pages_per_block`, copied
-HBM -> VMEM asynchronously and double-buffered; online softmax in f32). What differs is what
-a block copies and how it becomes keys and values (`kivi.py` has the layout):
+The walk is `kernel.py`'s, its shared pieces in `walk.py` (a program per block of query
+tokens, every KV head in it; each sequence whose tokens meet the tile walks its pages in
+blocks of `pages_per_block`, copied HBM -> VMEM asynchronously and double-buffered; online
+softmax in f32). What differs is what a block copies and how it becomes keys and values
+(`kivi.py` has the layout):
 
 - per page: the packed code rows `[Z, 2K, H * bits / 8]` uint8, the key scales and zero
   points `[K, H]` and the value scales and zero points `[Z, K, H / g]` (float16);
@@ -29,8 +30,16 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.kivi import KiviPool, bits_of
 from pallas_kernels.ragged_paged_attention.reference import as_stacked
-
-_MASKED = -1e30  # finite: a row that sees nothing keeps exp(...) == 0 instead of NaN
+from pallas_kernels.ragged_paged_attention.walk import (
+    fold_block,
+    key_block_range,
+    regroup_queries,
+    start_accumulators,
+    ungroup_output,
+    visible_keys,
+    walk_pages,
+    write_output,
+)
 
 
 def _dequantized_head(codes: jax.Array, key_scales: jax.Array, key_zeros: jax.Array,
@@ -84,9 +93,7 @@ def _kernel(
     tile_start = tile * block_tokens
     tile_end = tile_start + block_tokens
 
-    running_max[...] = jnp.full(running_max.shape, _MASKED, jnp.float32)
-    denominator[...] = jnp.zeros(denominator.shape, jnp.float32)
-    accumulator[...] = jnp.zeros(accumulator.shape, jnp.float32)
+    start_accumulators(running_max, denominator, accumulator)
     queries = [queries_ref[h].astype(jnp.float32) * sm_scale
                for h in range(num_kv_heads)]  # K x [rows, H]
     row_token = tile_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
@@ -98,15 +105,9 @@ def _kernel(
 
         @pl.when((query_start < tile_end) & (query_end > tile_start) & (kv_len > 0))
         def _attend():
-            last_token = jnp.minimum(query_end, tile_end) - 1
-            first_token = jnp.maximum(query_start, tile_start)
-            last_position = kv_len - (query_end - last_token)
-            first_key = 0
-            if sliding_window is not None:
-                first_position = kv_len - (query_end - first_token)
-                first_key = jnp.maximum(first_position - sliding_window + 1, 0)
-            first_block = first_key // block_keys
-            end_block = last_position // block_keys + 1
+            first_block, end_block = key_block_range(
+                kv_len, query_start, query_end, tile_start, tile_end, block_keys,
+                sliding_window)
             # The sequence's partial last page, whose rows its residual seat holds.
             seat_copy = pltpu.make_async_copy(residual_hbm.at[layer, seats_ref[sequence]],
                                               seat_buffer, seat_semaphore.at[0])
@@ -129,30 +130,13 @@ def _kernel(
                             semaphores.at[index, slot, page]))
                 return result
 
-            for copy in copies(first_block, first_block % 2):
-                copy.start()
-
-            def block_body(block, inner_carry):
-                slot = block % 2
-
-                @pl.when(block + 1 < end_block)
-                def _prefetch_next():
-                    for copy in copies(block + 1, (block + 1) % 2):
-                        copy.start()
-
-                for copy in copies(block, slot):
-                    copy.wait()
+            def attend_block(block, slot):
                 page_number = block * pages_per_block + jax.lax.broadcasted_iota(
                     jnp.int32, (pages_per_block, 1, 1), 0)  # [pages, 1, 1]
                 partial = page_number == kv_len // page_size  # [pages, 1, 1]
                 seat = seat_buffer[...]  # [Z, 2K, H]
-                key_position = block * block_keys + jax.lax.broadcasted_iota(
-                    jnp.int32, (1, block_keys), 1)  # [1, S]
-                row_position = kv_len - (query_end - row_token)  # [rows, 1]
-                visible = ((row_token >= query_start) & (row_token < query_end)
-                           & (key_position <= row_position) & (key_position < kv_len))
-                if sliding_window is not None:
-                    visible &= row_position - key_position < sliding_window
+                visible = visible_keys(block, block_keys, kv_len, query_start, query_end,
+                                       row_token, sliding_window)  # [rows, S]
                 for h in range(num_kv_heads):
                     keys, values = _dequantized_head(
                         buffer[slot], key_scale_buffer[slot], key_zero_buffer[slot],
@@ -162,31 +146,15 @@ def _kernel(
                         block_keys, -1)  # [S, H]
                     values = jnp.where(partial, seat[None, :, 2 * h + 1], values).reshape(
                         block_keys, -1)  # [S, H]
-                    scores = jax.lax.dot_general(
-                        queries[h], keys, (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32)  # [rows, S]
-                    if soft_cap is not None:
-                        scores = soft_cap * jnp.tanh(scores / soft_cap)
-                    scores = jnp.where(visible, scores, _MASKED)  # [rows, S]
-                    previous_max = running_max[h]  # [rows, 1]
-                    new_max = jnp.maximum(previous_max, jnp.max(scores, axis=1, keepdims=True))
-                    rescale = jnp.exp(previous_max - new_max)  # [rows, 1]
-                    probabilities = jnp.where(visible, jnp.exp(scores - new_max), 0.0)
-                    denominator[h] = denominator[h] * rescale + jnp.sum(
-                        probabilities, axis=1, keepdims=True)
-                    accumulator[h] = accumulator[h] * rescale + jax.lax.dot_general(
-                        probabilities, values, (((1,), (0,)), ((), ())),
-                        preferred_element_type=jnp.float32)  # [rows, H]
-                    running_max[h] = new_max
-                return inner_carry
+                    fold_block(h, queries[h], keys, values, visible, running_max, denominator,
+                               accumulator, soft_cap)
 
-            jax.lax.fori_loop(first_block, end_block, block_body, 0)
+            walk_pages(first_block, end_block, copies, attend_block)
 
         return carry
 
     jax.lax.fori_loop(0, num_seqs_ref[0], sequence_body, 0)
-    total = denominator[...]  # [K, rows, 1]
-    out_ref[...] = (accumulator[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+    write_output(out_ref, denominator, accumulator)
 
 
 def ragged_paged_attention_kivi_kernel(
@@ -234,13 +202,9 @@ def ragged_paged_attention_kivi_kernel(
     group = num_heads // num_kv_heads
     max_seqs, pages_per_seq = page_indices.shape
     pages_per_block = min(pages_per_block, pages_per_seq)
-    num_tiles = -(-num_tokens // block_tokens)
-    padded_tokens = num_tiles * block_tokens
+    regrouped = regroup_queries(queries, num_kv_heads, block_tokens)  # [K, T' * G, H]
+    num_tiles = regrouped.shape[1] // (block_tokens * group)
     rows = block_tokens * group
-    regrouped = queries.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, H]
-    regrouped = jnp.pad(regrouped, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
-    regrouped = regrouped.transpose(1, 0, 2, 3).reshape(
-        num_kv_heads, padded_tokens * group, head_dim)  # [K, T' * G, H]
 
     kernel = functools.partial(
         _kernel, bits=bits_of(kv_pages, pool), group=group, block_tokens=block_tokens,
@@ -271,8 +235,7 @@ def ragged_paged_attention_kivi_kernel(
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, padded_tokens * group, head_dim),
-                                       queries.dtype),
+        out_shape=jax.ShapeDtypeStruct(regrouped.shape, queries.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(max_seqs * pages_per_seq).astype(
@@ -280,6 +243,4 @@ def ragged_paged_attention_kivi_kernel(
       jnp.asarray(layer, jnp.int32).reshape(1), residual_slots.astype(jnp.int32), regrouped,
       kv_pages, pool.key_scales, pool.key_zeros, pool.value_scales, pool.value_zeros,
       pool.residual)  # [K, T' * G, H]
-    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(
-        1, 0, 2, 3)  # [T', K, G, H]
-    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)  # [T, N, H]
+    return ungroup_output(out, num_tokens, num_heads)  # [T, N, H]
