@@ -468,7 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
     results["structured"].setdefault("recover_config", RECOVER_CONFIG)
-    text = markdown(results, command)
+    rendered_by = None if not args.render else "python " + " ".join(
+        [pathlib.Path(sys.argv[0]).as_posix(), "--render", args.render]) + (
+        " --command '...'" if args.command and "command" not in results else "")
+    text = markdown(results, command, rendered_by)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(text)
     print(text)
