@@ -92,12 +92,17 @@ def _norm_spread(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _read_ms(parameters: int, read_gb_per_s: float) -> float:
+    """Milliseconds to read `parameters` float32 weights once at `read_gb_per_s`."""
+    return parameters * 4 / (read_gb_per_s * 1e9) * 1000
+
+
 def _step_floor(section: dict[str, Any], read_gb_per_s: float) -> list[str]:
     """Measured ms per decode step against the step's weight-read floor (every parameter
     read once at the read bandwidth measured in the timed phase), dense and pruned."""
     lines = []
     for name, key in (("dense", "dense_parameters"), ("pruned", "pruned_parameters")):
-        floor_ms = section[key] * 4 / (read_gb_per_s * 1e9) * 1000
+        floor_ms = _read_ms(section[key], read_gb_per_s)
         steps = ", ".join(f"@ {size}: {int(size) * 1000 / speed:.2f} ms"
                           for size, speed in section["decode_tokens_per_s"][name].items())
         lines.append(f"- {name}: ms per decode step {steps}; weight-read floor "
@@ -301,7 +306,7 @@ def _speed_misses(results: dict[str, Any]) -> list[str]:
             if ratio >= 0.9 / (1 - removed):
                 continue
             step_ms = int(size) * 1000 / speeds["dense"][size]
-            read_ms = dense * 4 / (peaks["read_gb_per_s"] * 1e9) * 1000
+            read_ms = _read_ms(dense, peaks["read_gb_per_s"])
             flops_ms = 2 * dense * int(size) / (peaks["matmul_gflops"] * 1e9) * 1000
             scaled_ms = max(read_ms, flops_ms)
             predicted = step_ms / (step_ms - removed * scaled_ms)

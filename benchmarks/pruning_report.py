@@ -264,7 +264,8 @@ def structured_section(teacher: Transformer, texts: Texts, corpus: pathlib.Path,
                 "num_layers", "num_heads", "num_kv_heads", "intermediate_size")},
             "dense_ppl": ppl(teacher, texts), "ppl_before": before, "ppl_after": after,
             "recovery_steps": steps, "recovery_s": recovery_s,
-            "tokens_per_step": 16 * 256}, {"dense": teacher, "pruned": recovered}
+            "recover_config": RECOVER_CONFIG, "tokens_per_step": 16 * 256}, {
+                "dense": teacher, "pruned": recovered}
 
 
 def harp_section(teacher_name: str, texts: Texts, layer_counts: Sequence[int],
@@ -452,26 +453,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the numbers here")
     parser.add_argument("--render", metavar="JSON",
                         help="measure nothing: re-write --out from an earlier run's --json")
-    parser.add_argument("--command", help="with --render, the measuring command to show "
-                        "when the JSON predates its 'command' field")
     parser.add_argument("--out", default="benchmarks/results/pruning.md")
     args = parser.parse_args(argv)
+    command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(),
+                                    *(argv or sys.argv[1:])])
     if args.render:
         results = json.loads(pathlib.Path(args.render).read_text())
-        command = results.get("command") or args.command
-        if not command:
-            parser.error(f"{args.render} has no 'command': pass --command")
+        text = markdown(results, results["command"], rendered_by=command)
     else:
-        command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(),
-                                        *(argv or sys.argv[1:])])
         results = {**measure(args), "command": command}
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
-    results["structured"].setdefault("recover_config", RECOVER_CONFIG)
-    rendered_by = None if not args.render else "python " + " ".join(
-        [pathlib.Path(sys.argv[0]).as_posix(), "--render", args.render]) + (
-        " --command '...'" if args.command and "command" not in results else "")
-    text = markdown(results, command, rendered_by)
+        text = markdown(results, command)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(text)
     print(text)
