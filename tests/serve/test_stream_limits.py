@@ -79,6 +79,11 @@ def test_the_http_fan_in_holds_one_output_per_prompt_for_a_paused_reader():
                 # Stop reading until the engine has run both requests to their end.
                 while not pool_is_full(service):
                     await asyncio.sleep(0.01)
+                # ... and has handed their last outputs over: the engine thread marks a
+                # request finished inside its step and delivers the outputs after it, so
+                # wait for a command, which it applies only after that delivery (and whose
+                # answer reaches this loop after the outputs do).
+                await service.engine.abort("no-such-request")
             after_pause += pause
             tokens[index] += output.outputs[0].token_ids
             texts[index] += output.outputs[0].text
