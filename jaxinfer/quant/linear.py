@@ -29,15 +29,21 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxinfer.models import Transformer
-from jaxinfer.models.layers import MLP, LinearParam
+from jaxinfer.models.layers import MLP, LinearParam, ReadInPlace, StackedLayer
 from jaxinfer.quant.config import QuantizationConfig, WeightScheme
 from jaxinfer.sharding import active_axis
+from pallas_kernels import dispatch
 from pallas_kernels.quant_matmul import QuantizedWeight, dequantize_weight, get_format
+from pallas_kernels.quant_matmul import cpu as cpu_quant_matmul
 from pallas_kernels.quant_matmul import quantized_matmul as quantized_matmul_op
 
 
-class QuantizedArray(nnx.Variable):
-    """Integer values, scales or zero points of a quantized layer (not a trainable Param)."""
+class QuantizedArray(ReadInPlace, nnx.Variable):
+    """Integer values, scales or zero points of a quantized layer (not a trainable Param).
+
+    Inside a scan over stacked layers it holds a `StackedLayer` view (`jaxinfer.models.scan`):
+    the layer multiplies its slice in place where the CPU kernel takes it, else slices.
+    """
 
 
 class QuantizedLinear(nnx.Module):
@@ -71,12 +77,18 @@ class QuantizedLinear(nnx.Module):
             `force_implementation` and `JAXINFER_KERNELS`.
         input_permutation: `[I]` int32, or None: the weight's row `j` is the original
             matrix's row `input_permutation[j]` (see above).
+        int8_activations: On the CPU kernel's decode path, whether activations are quantized
+            to int8 per block of 32 features (llama.cpp's Q8 rule, faster on AVX2, not exact):
+            None follows `$JAXINFER_CPU_INT8_ACTIVATIONS` (default off); False keeps them
+            float32 even where that is set, as a GGUF model's tied LM head does (its argmax is
+            where an activation rounding shows first).
     """
 
     def __init__(self, weight: QuantizedWeight, output_shape: Sequence[int], *,
                  logical_axes: tuple[str | None, str | None] = (None, None),
                  implementation: str = "auto",
-                 input_permutation: jax.Array | None = None) -> None:
+                 input_permutation: jax.Array | None = None,
+                 int8_activations: bool | None = None) -> None:
         if math.prod(output_shape) != weight.shape[1]:
             raise ValueError(f"output_shape {tuple(output_shape)} does not hold the "
                              f"{weight.shape[1]} output features of the quantized weight")
@@ -104,14 +116,40 @@ class QuantizedLinear(nnx.Module):
         self.output_shape = tuple(output_shape)
         self.logical_axes = (rows, columns)
         self.implementation = implementation
+        self.int8_activations = int8_activations
+
+    def _arrays(self) -> list[jax.Array | StackedLayer | None]:
+        # get_value(), not [...]: a StackedLayer view cannot be indexed.
+        return [None if array is None else array.get_value()
+                for array in (self.values, self.scales, self.zeros, self.positions)]
 
     @property
     def weight(self) -> QuantizedWeight:
-        """The layer's `QuantizedWeight` (a pytree; traced arrays inside jit)."""
-        scales, zeros, positions = (None if array is None else array[...]
-                                    for array in (self.scales, self.zeros, self.positions))
-        return QuantizedWeight(self.format, self.values[...], scales, zeros, self.group_size,
+        """The layer's `QuantizedWeight` (a pytree; traced arrays inside jit; inside a scan
+        over stacked layers, this iteration's slices)."""
+        values, scales, zeros, positions = (
+            array.matrix() if isinstance(array, StackedLayer) else array
+            for array in self._arrays())
+        return QuantizedWeight(self.format, values, scales, zeros, self.group_size,
                                self.bits, positions)
+
+    def _cpu_kernel(self, x: jax.Array, out_dtype: jnp.dtype | None) -> jax.Array | None:
+        """`x @ weight` by the CPU kernel (`pallas_kernels.quant_matmul.cpu`), reading this
+        layer of a stack in place inside a scan, or None where it does not apply (another
+        backend or implementation, format or size)."""
+        values, scales, zeros, _ = self._arrays()
+        stacked = isinstance(values, StackedLayer)
+        stack = values.stack if stacked else values  # [(L,) I', O]
+        if (out_dtype not in (None, jnp.float32) or dispatch.resolve(self.implementation) != "xla"
+                or not cpu_quant_matmul.supports(x, self.format, stack)):
+            return None
+        if stacked:
+            return cpu_quant_matmul.matmul(
+                x, self.format, stack, scales.stack, None if zeros is None else zeros.stack,
+                self.group_size, layer=values.layer,
+                int8_activations=self.int8_activations)  # [..., O]
+        return cpu_quant_matmul.matmul(x, self.format, values, scales, zeros, self.group_size,
+                                       int8_activations=self.int8_activations)  # [..., O]
 
     def __call__(self, x: jax.Array, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
         """`[..., I]` activations to `[..., *output_shape]` (the `LinearParam` call).
@@ -121,13 +159,20 @@ class QuantizedLinear(nnx.Module):
             out_dtype: Result dtype (the kernels accumulate in float32 and write it
                 directly); default the activations' dtype.
         """
-        weight = self.weight
         if self.input_permutation is not None:
-            x = jnp.take(x, self.input_permutation[...], axis=-1)  # [..., I] weight's row order
-        matmul = functools.partial(quantized_matmul_op, implementation=self.implementation,
-                                   out_dtype=out_dtype)
+            permutation = self.input_permutation.get_value()  # [I] (a StackedLayer in a scan)
+            if isinstance(permutation, StackedLayer):
+                permutation = permutation.matrix()  # [I]
+            x = jnp.take(x, permutation, axis=-1)  # [..., I] weight's row order
         rows, columns = (None if name is None else active_axis(name)
                          for name in self.logical_axes)
+        if rows is None and columns is None:
+            out = self._cpu_kernel(x, out_dtype)  # [..., O] or None
+            if out is not None:
+                return out.reshape(*x.shape[:-1], *self.output_shape)  # [..., *output_shape]
+        weight = self.weight
+        matmul = functools.partial(quantized_matmul_op, implementation=self.implementation,
+                                   out_dtype=out_dtype)
         if rows is None and columns is None:
             out = matmul(x, weight)  # [..., O]
         else:

@@ -6,8 +6,10 @@ how each is quantized, dequantized and multiplied, is the registry in `formats.p
 (built in: "int8", "int4", "w8a8", "int8_grouped", the 2:4 sparse "sparse24",
 "sparse24_int8", "sparse24_int4", and "fp8"); these ops look the weight's format up there.
 
-`implementation=` follows `pallas_kernels.dispatch`: "xla" and "reference" run the jnp
-reference, "pallas" the compiled TPU kernel, "interpret" the kernel in interpret mode.
+`implementation=` follows `pallas_kernels.dispatch`: "xla" runs the C++ CPU kernel
+(`cpu.py`, int4 / int8 / int8_grouped at decode row counts) where it takes the product and
+the jnp reference otherwise, "reference" always the jnp reference, "pallas" the compiled TPU
+kernel, "interpret" the kernel in interpret mode.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
+from pallas_kernels.quant_matmul import cpu
 from pallas_kernels.quant_matmul.formats import (
     QuantizedWeight,
     WeightFormat,
@@ -92,7 +95,11 @@ def quantized_matmul(
                          f"K={k} of the [{k}, {n}] {weight.format} weight")
     leading = x.shape[:-1]
     tokens = x.reshape(-1, k)  # [T, I]
-    if choice in ("xla", "reference"):
+    if choice == "xla" and out_dtype in (None, jnp.float32) and cpu.supports(
+            tokens, weight.format, weight.values):
+        out = cpu.matmul(tokens, weight.format, weight.values, weight.scales, weight.zeros,
+                         weight.group_size)  # [T, O]
+    elif choice in ("xla", "reference"):
         out = spec.reference_matmul(tokens, weight, out_dtype)  # [T, O]
     else:
         out = spec.kernel_matmul(tokens, weight, out_dtype,

@@ -343,3 +343,43 @@ def w8a8_matmul_reference(
     x_values, x_scales = quantize_per_token_int8(x)  # [T, I], [T]
     accumulator = w8a8_int32_product_reference(x_values, values)  # [T, O]
     return w8a8_rescale(accumulator, x_scales, scales).astype(out_dtype or x.dtype)
+
+
+ACTIVATION_BLOCK = 32  # features per int8 activation scale (llama.cpp's Q8 block)
+
+
+def quantize_activations_per_block(x: jax.Array, block: int = ACTIVATION_BLOCK
+                                   ) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 quantization of activations per row and block of `block` features.
+
+    Args:
+        x: `[T, I]` float activations; I a multiple of `block`.
+        block: Features sharing one scale.
+
+    Returns:
+        `(levels, scales)`: `[T, I]` int8 `round(x / d)` and `[T, I // block]` float32
+        `d = max |x| / 127` (0 for a block of zeros, whose levels are 0).
+    """
+    t, k = x.shape
+    blocks = x.astype(jnp.float32).reshape(t, k // block, block)  # [T, I / block, block]
+    scales = jnp.max(jnp.abs(blocks), axis=-1) / INT8_MAX  # [T, I / block]
+    safe = jnp.where(scales > 0, scales, 1.0)[..., None]  # [T, I / block, 1]
+    levels = jnp.where(scales[..., None] > 0, jnp.round(blocks / safe),
+                       0.0)  # [T, I / block, block]
+    levels = jnp.clip(levels, -INT8_MAX, INT8_MAX).astype(jnp.int8).reshape(t, k)  # [T, I]
+    return levels, scales
+
+
+def int8_activation_matmul(x: jax.Array, dequantized_weight: jax.Array,
+                           block: int = ACTIVATION_BLOCK) -> jax.Array:
+    """The product the CPU kernel computes with int8 activations: `x` quantized per row and
+    block (`quantize_activations_per_block`), dequantized, times the float32 `[I, O]` weight.
+
+    Returns:
+        `[T, O]` float32.
+    """
+    levels, scales = quantize_activations_per_block(x, block)  # [T, I], [T, I / block]
+    t, k = levels.shape
+    rounded = (levels.astype(jnp.float32).reshape(t, k // block, block)
+               * scales[..., None]).reshape(t, k)  # [T, I]
+    return jnp.matmul(rounded, dequantized_weight, precision=_HIGHEST)  # [T, O]

@@ -53,11 +53,15 @@ def test_it_loads_with_quantized_projections(loaded):
             assert (layer.format, layer.group_size, layer.zeros[...].dtype) == (
                 "int4", 32, np.float32)
     # 30 blocks of 3.5M Q4_1 weights at 24 bytes per 32 (16 of nibbles, a float32 scale and
-    # zero point), plus the float32 embedding table (dequantized from Q8_0: a gather; it is
-    # also the tied head) and the 61 norms: 193.0 MB, against 538.6 MB all float32.
+    # zero point), the float32 embedding table (dequantized from Q8_0: a gather) and the 61
+    # norms, and the tied head served from the Q8_0 table (36 bytes per 32 weights: 32 int8
+    # and a float32 scale): 224.9 MB, against 538.6 MB all float32.
     projections = 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
     floats = 49152 * 576 + 61 * 576
-    assert gguf_weight_bytes(model) == projections * 24 // 32 + 4 * floats
+    head = 49152 * 576 * 36 // 32
+    assert gguf_weight_bytes(model) == projections * 24 // 32 + 4 * floats + head
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert (model.lm_head.format, model.lm_head.int8_activations) == ("int8_grouped", False)
 
 
 def test_greedy_generation_equals_transformers(loaded, smollm2_gguf):

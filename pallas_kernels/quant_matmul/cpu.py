@@ -1,0 +1,191 @@
+"""The CPU kernel of weight-quantized matmuls at decode sizes: `cpu_quant_matmul.cc` over XLA FFI.
+
+Off TPU, the XLA path of a quantized weight (`reference.py`) dequantizes the whole matrix to
+float32 every step and then multiplies, so a 4-bit model read and wrote several times its
+own bytes per token and ran slower than its float32 original. The C++ kernel streams the
+stored bytes (int4 nibbles, int8 levels) and dequantizes in registers, scaling once per
+group. It serves "int4" (symmetric or with int8 / float32 zero points: GGUF Q4_0 / Q4_1,
+GPTQ, RTN), "int8" (per channel) and "int8_grouped" (GGUF Q8_0) weights times float32
+activations of at most `MAX_ROWS` rows (decode steps, speculative verification); longer
+products (prefill) keep XLA's path, where the dequantized copy is amortized over many rows.
+
+A weight may be one matrix or a stack of them with a layer index (inside a scan over layers,
+`jaxinfer.models.scan`), read in place like `pallas_kernels.dense_matmul`.
+
+The source is built on first use by `pallas_kernels.cpu_build`; where it cannot be built, or
+the CPU lacks AVX2 + FMA (the vector path), `available()` is False and XLA's path runs.
+`JAXINFER_CPU_KERNELS=0` turns it off; `disabled()` does so while tracing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import cpu_build
+from pallas_kernels.quant_matmul import formats
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_quant_matmul.cc")
+_TARGET = "QuantMatmul"
+# Rows up to which the kernel runs. Each group of 4 rows decodes the weight again from L1,
+# while XLA's path dequantizes once and then multiplies at its large-product rate, so the
+# kernel's lead shrinks with rows (`benchmarks/kernels.py --quick` times both).
+MAX_ROWS = 64
+# Formats the kernel multiplies: name -> whether the values are packed nibbles.
+FORMATS = {"int4": True, "int8": False, "int8_grouped": False}
+_switch = cpu_build.KernelSwitch()
+# Within `with disabled():` (while tracing), `supports` is False: XLA's path runs instead.
+disabled = _switch.disabled
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built, registered and vectorized for this CPU (False, with one
+    warning, if it cannot be built, or with `JAXINFER_CPU_KERNELS=0`)."""
+    if not cpu_build.enabled_by_environment():
+        return False
+    try:
+        library = cpu_build.load(SOURCE, [_TARGET])
+    except (RuntimeError, OSError) as error:
+        warnings.warn(f"the CPU quantized-matmul kernel is unavailable, using XLA's path "
+                      f"instead: {error}", RuntimeWarning, stacklevel=2)
+        return False
+    return bool(library.JaxinferQuantMatmulVectorized())
+
+
+def _single_device() -> bool:
+    """Whether no multi-device mesh is active (the custom call has no sharding rule; a
+    sharded layer already runs per shard under `shard_map`, where the mesh is manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is None or mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual
+
+
+def supports(x: jax.Array, weight_format: str, values: jax.Array) -> bool:
+    """Whether the kernel takes `x [..., I]` times a weight of `weight_format` whose stored
+    `values` are `[I', O]` (or a stack `[L, I', O]`).
+
+    Only while tracing (inside jit): eagerly, each call would compile its own small programs
+    per shape, where the XLA path is one cached op.
+    """
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    traced = isinstance(x, jax.core.Tracer) or isinstance(values, jax.core.Tracer)
+    return (traced and not _switch.off and jax.default_backend() == "cpu"
+            and weight_format in FORMATS and values.ndim in (2, 3)
+            and x.dtype == jnp.float32 and 0 < rows <= MAX_ROWS
+            and _single_device() and available())
+
+
+def int8_activations_by_default() -> bool:
+    """Whether products quantize activations to int8 unless told otherwise:
+    `$JAXINFER_CPU_INT8_ACTIVATIONS` set to 1 / on / true. Off by default: on SmolLM2-135M
+    (whose activations have strong outlier channels) int8 activations in the prompt's
+    projections moved the greedy answer to "What is the capital of France?" off "Paris",
+    where the float path keeps transformers' tokens."""
+    return os.environ.get("JAXINFER_CPU_INT8_ACTIVATIONS", "0").lower() in ("1", "on", "true")
+
+
+def matmul(x: jax.Array, weight_format: str, values: jax.Array, scales: jax.Array,
+           zeros: jax.Array | None, group_size: int | None, *,
+           layer: jax.Array | int | None = None,
+           int8_activations: bool | None = None) -> jax.Array:
+    """`x @ dequantize(weight)` through the kernel; check `supports` first.
+
+    Args:
+        x: `[..., I]` float32 activations.
+        weight_format: "int4", "int8" or "int8_grouped".
+        values: `[I // 2, O]` packed nibbles (int4) or `[I, O]` int8; with `layer`, a stack
+            `[L, I', O]` of which `values[layer]` is multiplied.
+        scales: `[O]` (per channel), `[C, O]` (grouped), or stacked `[L, ...]` likewise.
+        zeros: int4 zero points `[C, O]` (int8 or float32; stacked with `layer`), or None.
+        group_size: Rows per scale group; None for per-channel "int8".
+        layer: Index into the stacks, or None for single matrices.
+        int8_activations: Quantize `x` per row and block of 32 features to int8 and sum the
+            products in integers (`reference.int8_activation_matmul` is the rule), as
+            llama.cpp multiplies its Q4/Q8 weights by Q8 activations: 2-3x the float path's
+            rate on AVX2. Applies where the group size is a multiple of 32 and O of 32; the
+            float path (exact to the reference up to summation order) elsewhere. None:
+            `int8_activations_by_default()`.
+
+    Returns:
+        `[..., O]` float32.
+    """
+    if layer is None:
+        values, scales = values[None], scales[None]  # [1, I', O], [1, ...]
+        zeros = None if zeros is None else zeros[None]  # [1, C, O]
+    columns = values.shape[-1]
+    flat = x.reshape(-1, x.shape[-1])  # [M, I]
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)  # [1]
+    quantize = bool(int8_activations_by_default() if int8_activations is None
+                    else int8_activations)
+    out = _matmul(flat, values, scales, zeros, index, weight_format, group_size,
+                  quantize)  # [M, O]
+    return out.reshape(*x.shape[:-1], columns)  # [..., O]
+
+
+def _call(x: jax.Array, values: jax.Array, scales: jax.Array, zeros: jax.Array | None,
+          layer: jax.Array, weight_format: str, group_size: int | None,
+          int8_activations: bool) -> jax.Array:
+    """The custom call on a stack: `[M, I]` x, `[L, I', O]` values, `[L, ...]` scales and
+    zeros, `[1]` layer -> `[M, O]` float32."""
+    if not available():  # also registers the FFI target on first use
+        raise RuntimeError("the CPU quantized-matmul kernel is unavailable on this machine")
+    columns = values.shape[-1]
+    scales = scales.reshape(scales.shape[0], -1, columns)  # [L, C, O] (C = 1 per channel)
+    # int8 or float32 zero points go in as stored (the kernel widens one layer's int8).
+    zero_points = jnp.zeros((1,), jnp.float32) if zeros is None else zeros  # [L, C, O] or [1]
+    call = jax.ffi.ffi_call(f"jaxinfer_{_TARGET}",
+                            jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, values, scales, zero_points, layer, int4=FORMATS[weight_format],
+                has_zeros=zeros is not None, group_size=np.int64(group_size or x.shape[-1]),
+                int8_activations=int8_activations,
+                num_threads=np.int32(cpu_build.num_threads()))  # [M, O]
+
+
+def _layer_reference(x: jax.Array, values: jax.Array, scales: jax.Array,
+                     zeros: jax.Array | None, layer: jax.Array, weight_format: str,
+                     group_size: int | None) -> jax.Array:
+    """The float reference of one layer of the stack (what gradients differentiate)."""
+    pick = functools.partial(jax.lax.dynamic_index_in_dim, index=layer[0], keepdims=False)
+    weight = formats.QuantizedWeight(weight_format, pick(values), pick(scales),
+                                     None if zeros is None else pick(zeros), group_size)
+    return formats.get_format(weight_format).reference_matmul(x, weight, jnp.float32)  # [M, O]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _matmul(x, values, scales, zeros, layer, weight_format, group_size, int8_activations):
+    return _call(x, values, scales, zeros, layer, weight_format, group_size, int8_activations)
+
+
+def _matmul_forward(x, values, scales, zeros, layer, weight_format, group_size,
+                    int8_activations):
+    out = _call(x, values, scales, zeros, layer, weight_format, group_size, int8_activations)
+    return out, (x, values, scales, zeros, layer)
+
+
+def _matmul_backward(weight_format, group_size, int8_activations, saved, grad):
+    # Gradients of the float reference (with int8 activations, a straight-through estimate):
+    # for x, the scales and float zero points; integer arrays get none.
+    x, values, scales, zeros, layer = saved
+    floats = (x, scales) + ((zeros,) if zeros is not None and jnp.issubdtype(
+        zeros.dtype, jnp.floating) else ())
+
+    def reference(x, scales, *float_zeros):
+        return _layer_reference(x, values, scales, float_zeros[0] if float_zeros else zeros,
+                                layer, weight_format, group_size)
+
+    _, pullback = jax.vjp(reference, *floats)
+    grads = pullback(grad)
+    zeros_grad = None if zeros is None else (
+        grads[2] if len(grads) == 3 else np.zeros(zeros.shape, jax.dtypes.float0))
+    return (grads[0], np.zeros(values.shape, jax.dtypes.float0), grads[1], zeros_grad,
+            np.zeros(layer.shape, jax.dtypes.float0))
+
+
+_matmul.defvjp(_matmul_forward, _matmul_backward)

@@ -1,0 +1,527 @@
+// Weight-quantized matmuls for XLA:CPU at the row counts of decode steps, as XLA FFI custom
+// calls: the packed weight is streamed as stored and dequantized in registers.
+//
+// The XLA path of these formats (`reference.py`) dequantizes the whole weight to float32 and
+// then multiplies: every step reads the packed bytes, writes a float32 copy 8x (int4) or 4x
+// (int8) their size and reads it back, so a 4-bit model ran slower than its float32 original
+// (`benchmarks/results/engine.md`). Here each weight byte is read once per step.
+//
+//   out[M, N] = x[M, K] @ dequantize(w[layer])
+//
+// Formats (the registry's layouts, `formats.py`), a stack of L matrices read in place:
+//   int4  packed u8 [L, K / 2, N], low nibble row 2i, high nibble row 2i + 1, signed
+//         two's-complement nibbles q; scales f32 [L, C, N], zeros f32 or s8 [L, C, N] or none;
+//         w = (q - z) * s per group of `group_size` rows (GGUF Q4_0 / Q4_1, GPTQ, RTN).
+//   int8  s8 [L, K, N]; scales f32 [L, C, N] (C = 1: per channel, the "int8" format; C = K /
+//         group_size: "int8_grouped", GGUF Q8_0); w = q * s.
+//
+// Within a group the products are summed on the integer levels and scaled once at the group's
+// end: sum_k x_k (q_k - z) s = s (sum_k x_k u_k - (z + 8) sum_k x_k) with u = q + 8 in
+// [0, 15] (the nibble with its sign bit flipped), so the inner loop is convert-and-FMA only.
+//
+// Work split: column tiles of 64 (one cache line of int8, two of int4 row pairs) shared over
+// `num_threads` tasks on XLA's pool (`cpu_parallel.h`). A tile walks its group's rows in
+// sub-blocks of 16 columns, each with R <= 4 rows of x in 2R accumulators; the group's lines
+// stay in L1 across the sub-blocks. Built with AVX2 + FMA (every x86 CPU of the last decade,
+// AVX-512 ones included); elsewhere a scalar loop computes the same sums
+// (`JaxinferQuantMatmulVectorized` says which, and the Python side keeps XLA's path there).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_parallel.h"
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define JAXINFER_QUANT_AVX2 1
+#endif
+
+namespace ffi = xla::ffi;
+
+extern "C" int JaxinferQuantMatmulVectorized() {
+#ifdef JAXINFER_QUANT_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // features per int8 activation scale (llama.cpp's Q8 block)
+constexpr int64_t kTile = 64;  // output columns per task
+constexpr int64_t kSub = 32;   // output columns per register block (four 8-float vectors)
+
+// Inputs of one product, the layer's matrices already located.
+struct Problem {
+  const float* x;        // [M, K]
+  const uint8_t* w;      // int4: [K / 2, N] packed; int8: [K, N] as bytes
+  const float* scales;   // [C, N]
+  const float* zeros;    // [C, N] or nullptr
+  const float* sums;     // [M, C] sum of x over each group
+  float* out;            // [M, N]
+  int64_t rows, depth, columns, group;
+  // With int8 activations: x per row and block of kBlock features as int8 levels and scales.
+  const int8_t* x_levels = nullptr;  // [M, K]
+  const float* x_scales = nullptr;   // [M, K / kBlock]
+};
+
+#ifdef JAXINFER_QUANT_AVX2
+
+// Bytes ahead, along the stored row being read, that are prefetched. A group's rows are
+// read left to right in 32-byte steps, 16-32 rows (streams) at once, `columns` bytes apart:
+// more streams than the hardware prefetchers followed (the loads stalled on L3 and DRAM).
+constexpr int64_t kAhead = 512;
+
+// acc[r][v] += x[r] * level(bytes[8v .. 8v + 8)) for R rows of x and 32 columns (bytes
+// holds one stored row's 32 levels). Each 8-column part is widened and used at once, so
+// the levels never occupy registers beyond the one in flight (16 vector registers hold the
+// 8 accumulators, the masks and the part).
+template <int R, bool kSigned>
+inline void Accumulate(__m256i bytes, const float* x, int64_t ldx, __m256 acc[R][4]) {
+  __m256 xv[R];
+  for (int r = 0; r < R; ++r) xv[r] = _mm256_broadcast_ss(x + r * ldx);
+  for (int v = 0; v < 4; ++v) {
+    const __m128i half = v < 2 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1);
+    const __m128i part = (v % 2 == 0) ? half : _mm_srli_si128(half, 8);
+    const __m256 level = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(part)
+                                                    : _mm256_cvtepu8_epi32(part));
+    for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(xv[r], level, acc[r][v]);
+  }
+}
+
+// Group sums over one group of rows for R rows of x and 32 columns: into a[R][4] (even
+// weight rows) and b[R][4] (odd ones), two independent sets of chains.
+template <int R, bool kInt4>
+inline void GroupSums(const Problem& p, int64_t r0, int64_t k0, int64_t c0, __m256 a[R][4],
+                      __m256 b[R][4]) {
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) a[r][v] = b[r][v] = _mm256_setzero_ps();
+  }
+  const float* x = p.x + r0 * p.depth + k0;
+  if (kInt4) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x88));
+    const __m256i low_mask = _mm256_set1_epi8(0x0F);
+    const uint8_t* row = p.w + (k0 / 2) * p.columns + c0;
+    for (int64_t i = 0; i < p.group / 2; ++i, row += p.columns) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + kAhead), _MM_HINT_T0);
+      const __m256i packed = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), flip);
+      Accumulate<R, false>(_mm256_and_si256(packed, low_mask), x + 2 * i, p.depth, a);
+      Accumulate<R, false>(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask),
+                           x + 2 * i + 1, p.depth, b);
+    }
+  } else {
+    const uint8_t* row = p.w + k0 * p.columns + c0;
+    for (int64_t i = 0; i < p.group; i += 2, row += 2 * p.columns) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + kAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + p.columns + kAhead), _MM_HINT_T0);
+      Accumulate<R, true>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), x + i,
+                          p.depth, a);
+      Accumulate<R, true>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p.columns)),
+                          x + i + 1, p.depth, b);
+    }
+  }
+}
+
+// out[r0 .. r0 + R, c0 .. c0 + 32) (+)= group g's sums[r][v] (sum_k x_k level_k of 8 columns
+// each), scaled, and for int4 offset by (z + 8) sum_k x_k (u = q + 8).
+template <int R, bool kInt4>
+inline void ApplyGroup(const Problem& p, int64_t r0, int64_t g, int64_t c0, bool first,
+                       const __m256 sums[R][4]) {
+  const int64_t groups = p.depth / p.group;
+  const float* scale = p.scales + g * p.columns + c0;
+  const float* zero = p.zeros != nullptr ? p.zeros + g * p.columns + c0 : nullptr;
+  for (int v = 0; v < 4; ++v) {
+    const __m256 s = _mm256_loadu_ps(scale + 8 * v);
+    const __m256 offset = kInt4 ? _mm256_add_ps(_mm256_set1_ps(8.0f),
+                                                zero != nullptr ? _mm256_loadu_ps(zero + 8 * v)
+                                                                : _mm256_setzero_ps())
+                                : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = sums[r][v];
+      if (kInt4) sum = _mm256_fnmadd_ps(offset, _mm256_set1_ps(p.sums[(r0 + r) * groups + g]), sum);
+      float* out = p.out + (r0 + r) * p.columns + c0 + 8 * v;
+      const __m256 total = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out);
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(s, sum, total));
+    }
+  }
+}
+
+// Group g's contribution with float activations.
+template <int R, bool kInt4>
+inline void GroupBlock(const Problem& p, int64_t r0, int64_t g, int64_t c0, bool first) {
+  __m256 a[R][4], b[R][4];
+  GroupSums<R, kInt4>(p, r0, g * p.group, c0, a, b);
+  __m256 sums[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) sums[r][v] = _mm256_add_ps(a[r][v], b[r][v]);
+  }
+  ApplyGroup<R, kInt4>(p, r0, g, c0, first, sums);
+}
+
+// --- int8 activations: integer products (maddubs), as llama.cpp's Q4 x Q8 dots ---------
+//
+// x is quantized per row and block of 32 features to int8 levels xq with a scale dx, and
+// each block's products are summed exactly in integers: sum_k xq_k u_k (int4, u = q + 8 in
+// [0, 15]) or sum_k xq_k q_k (int8), then scaled by dx in float. Four consecutive features
+// of one column sit in four consecutive bytes ("quads", built from two packed rows or four
+// int8 rows by byte and word interleaves), so `maddubs` multiplies them by the block's four
+// activation levels and adds pairs into int16. For int4 the int16 sums of a block's 8 quads
+// stay below 8 * 2 * 15 * 127 = 30480 and are widened once per block; int8 pairs reach
+// 2 * 128 * 127 and are widened per quad. The interleaves leave a register's 8 int32 lanes
+// holding columns {0-3, 16-19}, {4-7, 20-23}, {8-11, 24-27}, {12-15, 28-31} of the 32; the
+// group's float sums are put back in column order once per group (`Unpermute`).
+
+// The 4 quads (32 columns x 4 features) of two packed int4 rows (features k .. k + 3).
+inline void Int4Quads(const uint8_t* row, int64_t columns, __m256i quads[4]) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x88));
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i first = _mm256_xor_si256(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), flip);
+  const __m256i second = _mm256_xor_si256(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + columns)), flip);
+  const __m256i k0 = _mm256_and_si256(first, low_mask);
+  const __m256i k1 = _mm256_and_si256(_mm256_srli_epi16(first, 4), low_mask);
+  const __m256i k2 = _mm256_and_si256(second, low_mask);
+  const __m256i k3 = _mm256_and_si256(_mm256_srli_epi16(second, 4), low_mask);
+  const __m256i pairs01_low = _mm256_unpacklo_epi8(k0, k1), pairs01_high = _mm256_unpackhi_epi8(k0, k1);
+  const __m256i pairs23_low = _mm256_unpacklo_epi8(k2, k3), pairs23_high = _mm256_unpackhi_epi8(k2, k3);
+  quads[0] = _mm256_unpacklo_epi16(pairs01_low, pairs23_low);
+  quads[1] = _mm256_unpackhi_epi16(pairs01_low, pairs23_low);
+  quads[2] = _mm256_unpacklo_epi16(pairs01_high, pairs23_high);
+  quads[3] = _mm256_unpackhi_epi16(pairs01_high, pairs23_high);
+}
+
+// The 4 quads of four int8 rows.
+inline void Int8Quads(const uint8_t* row, int64_t columns, __m256i quads[4]) {
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * columns));
+  }
+  const __m256i pairs01_low = _mm256_unpacklo_epi8(r[0], r[1]), pairs01_high = _mm256_unpackhi_epi8(r[0], r[1]);
+  const __m256i pairs23_low = _mm256_unpacklo_epi8(r[2], r[3]), pairs23_high = _mm256_unpackhi_epi8(r[2], r[3]);
+  quads[0] = _mm256_unpacklo_epi16(pairs01_low, pairs23_low);
+  quads[1] = _mm256_unpackhi_epi16(pairs01_low, pairs23_low);
+  quads[2] = _mm256_unpacklo_epi16(pairs01_high, pairs23_high);
+  quads[3] = _mm256_unpackhi_epi16(pairs01_high, pairs23_high);
+}
+
+// Float sums of one group for R rows and 32 columns (permuted order): sum over the group's
+// blocks of dx_b * (integer block sum).
+template <int R, bool kInt4>
+inline void IntegerGroupSums(const Problem& p, int64_t r0, int64_t k0, int64_t c0,
+                             __m256 sums[R][4]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) sums[r][j] = _mm256_setzero_ps();
+  }
+  const int64_t blocks_per_row = p.depth / kBlock;
+  for (int64_t kb = k0; kb < k0 + p.group; kb += kBlock) {
+    __m256i block[R][4];  // int16 (int4) or int32 (int8) sums of this block
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) block[r][j] = _mm256_setzero_si256();
+    }
+    for (int64_t k = kb; k < kb + kBlock; k += 4) {
+      __m256i quads[4];
+      if (kInt4) {
+        const uint8_t* row = p.w + (k / 2) * p.columns + c0;
+        _mm_prefetch(reinterpret_cast<const char*>(row + kAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + p.columns + kAhead), _MM_HINT_T0);
+        Int4Quads(row, p.columns, quads);
+      } else {
+        const uint8_t* row = p.w + k * p.columns + c0;
+        for (int i = 0; i < 4; ++i) {
+          _mm_prefetch(reinterpret_cast<const char*>(row + i * p.columns + kAhead), _MM_HINT_T0);
+        }
+        Int8Quads(row, p.columns, quads);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t packed;
+        std::memcpy(&packed, p.x_levels + (r0 + r) * p.depth + k, sizeof(packed));
+        const __m256i xv = _mm256_set1_epi32(packed);
+        for (int j = 0; j < 4; ++j) {
+          if (kInt4) {
+            block[r][j] = _mm256_add_epi16(block[r][j], _mm256_maddubs_epi16(quads[j], xv));
+          } else {
+            const __m256i product = _mm256_maddubs_epi16(_mm256_abs_epi8(quads[j]),
+                                                         _mm256_sign_epi8(xv, quads[j]));
+            block[r][j] = _mm256_add_epi32(block[r][j], _mm256_madd_epi16(product, ones));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(p.x_scales[(r0 + r) * blocks_per_row + kb / kBlock]);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i wide = kInt4 ? _mm256_madd_epi16(block[r][j], ones) : block[r][j];
+        sums[r][j] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide), sums[r][j]);
+      }
+    }
+  }
+}
+
+// Column order from the interleaved lanes (see above).
+inline void Unpermute(const __m256 permuted[4], __m256 ordered[4]) {
+  ordered[0] = _mm256_permute2f128_ps(permuted[0], permuted[1], 0x20);
+  ordered[1] = _mm256_permute2f128_ps(permuted[2], permuted[3], 0x20);
+  ordered[2] = _mm256_permute2f128_ps(permuted[0], permuted[1], 0x31);
+  ordered[3] = _mm256_permute2f128_ps(permuted[2], permuted[3], 0x31);
+}
+
+// GroupBlock with int8 activations.
+template <int R, bool kInt4>
+inline void IntegerGroupBlock(const Problem& p, int64_t r0, int64_t g, int64_t c0, bool first) {
+  __m256 permuted[R][4];
+  IntegerGroupSums<R, kInt4>(p, r0, g * p.group, c0, permuted);
+  __m256 sums[R][4];
+  for (int r = 0; r < R; ++r) Unpermute(permuted[r], sums[r]);
+  ApplyGroup<R, kInt4>(p, r0, g, c0, first, sums);
+}
+
+// Columns [first, end) in 32-column blocks over groups [g0, g1), group by group; p.out is
+// written at g0 and added to after. Each group's stored rows are read left to right across
+// the columns, a few parallel sequential streams the hardware prefetchers follow.
+template <bool kInt4>
+void VectorColumns(const Problem& p, int64_t first, int64_t end, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t c0 = first; c0 + kSub <= end; c0 += kSub) {
+      int64_t r0 = 0;
+      if (p.x_levels != nullptr) {
+        for (; r0 + 2 <= p.rows; r0 += 2) IntegerGroupBlock<2, kInt4>(p, r0, g, c0, g == g0);
+        if (r0 < p.rows) IntegerGroupBlock<1, kInt4>(p, r0, g, c0, g == g0);
+        continue;
+      }
+      for (; r0 + 2 <= p.rows; r0 += 2) GroupBlock<2, kInt4>(p, r0, g, c0, g == g0);
+      if (r0 < p.rows) GroupBlock<1, kInt4>(p, r0, g, c0, g == g0);
+    }
+  }
+}
+
+// Every column, the groups split over the threads (each a contiguous run of stored rows,
+// read front to back), each thread's partial sums [M, N] added up at the end: the walk that
+// reads the weight at the machine's streaming bandwidth. Needs N a multiple of 32.
+template <bool kInt4>
+void RunSplitGroups(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads) {
+  const int64_t groups = p.depth / p.group;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, groups));
+  const int64_t size = p.rows * p.columns;
+  // [threads - 1, M, N], kept per calling thread across calls (no allocation per step).
+  static thread_local std::vector<float> partials;
+  if (partials.size() < static_cast<size_t>((threads - 1) * size)) {
+    partials.resize((threads - 1) * size);
+  }
+  // The helpers must see the caller's buffer: a thread_local named inside the lambda would
+  // be each helper thread's own.
+  float* const partial_sums = partials.data();
+  jaxinfer::ParallelFor(pool, threads, threads, [&](int64_t t) {
+    Problem own = p;
+    if (t > 0) own.out = partial_sums + (t - 1) * size;
+    VectorColumns<kInt4>(own, 0, p.columns, groups * t / threads, groups * (t + 1) / threads);
+  });
+  for (int64_t t = 1; t < threads; ++t) {
+    const float* partial = partial_sums + (t - 1) * size;
+    for (int64_t i = 0; i < size; ++i) p.out[i] += partial[i];
+  }
+}
+
+#endif  // JAXINFER_QUANT_AVX2
+
+// The readable loop: every column of [c0, c1), any width (also the tail of a vector tile).
+template <bool kInt4>
+void ScalarColumns(const Problem& p, int64_t c0, int64_t c1) {
+  const int64_t groups = p.depth / p.group;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float* xr = p.x + r * p.depth;
+    for (int64_t c = c0; c < c1; ++c) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float acc = 0.0f;
+        for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) {
+          float level;
+          if (kInt4) {
+            const uint8_t byte = p.w[(k / 2) * p.columns + c];
+            const int nibble = (k % 2 == 0) ? (byte & 0xF) : (byte >> 4);
+            level = static_cast<float>((nibble ^ 8) - 8);
+          } else {
+            level = static_cast<float>(static_cast<int8_t>(p.w[k * p.columns + c]));
+          }
+          acc += xr[k] * level;
+        }
+        const float zero = p.zeros != nullptr ? p.zeros[g * p.columns + c] : 0.0f;
+        total += p.scales[g * p.columns + c] * (acc - zero * p.sums[r * groups + g]);
+      }
+      p.out[r * p.columns + c] = total;
+    }
+  }
+}
+
+template <bool kInt4>
+void Run(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads) {
+#ifdef JAXINFER_QUANT_AVX2
+  if (p.columns % kSub == 0) {
+    RunSplitGroups<kInt4>(pool, p, num_threads);
+    return;
+  }
+#endif
+  const int64_t tiles = (p.columns + kTile - 1) / kTile;
+  jaxinfer::ParallelFor(pool, tiles, num_threads, [&](int64_t tile) {
+    const int64_t first = tile * kTile;
+    const int64_t end = std::min(p.columns, first + kTile);
+    int64_t c0 = first;
+#ifdef JAXINFER_QUANT_AVX2
+    VectorColumns<kInt4>(p, first, end, 0, p.depth / p.group);
+    c0 += (end - first) / kSub * kSub;
+#endif
+    if (c0 < end) ScalarColumns<kInt4>(p, c0, end);
+  });
+}
+
+// Validates shapes and the layer index; locates the layer's matrices.
+// Int8 zero points (quantized here) are widened for the layer's [C, N] into `widened`.
+ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& weights, ffi::Buffer<ffi::F32>& scales,
+                   ffi::AnyBuffer& zeros, ffi::Buffer<ffi::S32>& layer, bool int4,
+                   bool has_zeros, int64_t group_size, ffi::ResultBuffer<ffi::F32>& out,
+                   Problem* p, std::vector<float>* sums, std::vector<float>* widened) {
+  // (x_levels / x_scales are filled by QuantizeActivations afterwards, where they apply.)
+  auto x_shape = x.dimensions();        // [M, K]
+  auto w_shape = weights.dimensions();  // [L, K / 2, N] or [L, K, N]
+  auto s_shape = scales.dimensions();   // [L, C, N]
+  if (x_shape.size() != 2 || w_shape.size() != 3 || s_shape.size() != 3) {
+    return ffi::Error::InvalidArgument("x must be [M, K], the weight [L, K', N], scales [L, C, N]");
+  }
+  const int64_t rows = x_shape[0], depth = x_shape[1], columns = w_shape[2];
+  if (w_shape[1] * (int4 ? 2 : 1) != depth) {
+    return ffi::Error::InvalidArgument("x and the weight disagree on the contracted size");
+  }
+  if (group_size <= 0 || depth % group_size != 0 || (int4 && group_size % 2 != 0)) {
+    return ffi::Error::InvalidArgument("group_size must divide K (and be even for int4)");
+  }
+  const int64_t groups = depth / group_size;
+  if (s_shape[0] != w_shape[0] || s_shape[1] != groups || s_shape[2] != columns) {
+    return ffi::Error::InvalidArgument("scales must be [L, K / group_size, N]");
+  }
+  if (has_zeros && (zeros.element_count() != static_cast<size_t>(scales.element_count()) ||
+                    (zeros.element_type() != ffi::DataType::F32 &&
+                     zeros.element_type() != ffi::DataType::S8))) {
+    return ffi::Error::InvalidArgument("zeros must be float32 or int8 of the shape of scales");
+  }
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= w_shape[0]) {
+    return ffi::Error::InvalidArgument("layer index out of range");
+  }
+  const float* xs = x.typed_data();
+  sums->assign(rows * groups, 0.0f);  // [M, C]
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float total = 0.0f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) total += xs[r * depth + k];
+      (*sums)[r * groups + g] = total;
+    }
+  }
+  const int64_t matrix_bytes = w_shape[1] * columns;
+  const int64_t scale_count = groups * columns;
+  const float* zero_points = nullptr;
+  if (has_zeros && zeros.element_type() == ffi::DataType::F32) {
+    zero_points = static_cast<const float*>(zeros.untyped_data()) + index * scale_count;
+  } else if (has_zeros) {
+    const int8_t* narrow = static_cast<const int8_t*>(zeros.untyped_data()) + index * scale_count;
+    widened->assign(narrow, narrow + scale_count);
+    zero_points = widened->data();
+  }
+  *p = Problem{xs,
+               static_cast<const uint8_t*>(weights.untyped_data()) + index * matrix_bytes,
+               scales.typed_data() + index * scale_count,
+               zero_points,
+               sums->data(),
+               out->typed_data(),
+               rows, depth, columns, group_size};
+  return ffi::Error::Success();
+}
+
+// Whether the int8-activation path applies: asked for, vectorized, every column in 32-column
+// blocks and every group whole 32-feature blocks.
+bool IntegerPath(const Problem& p, bool int8_activations) {
+#ifdef JAXINFER_QUANT_AVX2
+  return int8_activations && p.columns % kSub == 0 && p.group % kBlock == 0;
+#else
+  return false;
+#endif
+}
+
+// x per row and block of kBlock features to int8 levels round(x / d), d = max |x| / 127 (0
+// for a block of zeros): the rule `reference.quantize_activations_per_block` states. The
+// product is then exactly that of the dequantized activations d * level, so the groups'
+// sums for int4 offsets become sums of those (`sums`, rewritten), as llama.cpp's Q8_1 keeps.
+void QuantizeActivations(Problem* p, std::vector<int8_t>* levels, std::vector<float>* scales,
+                         std::vector<float>* sums) {
+  const int64_t blocks = p->depth / kBlock;
+  const int64_t groups = p->depth / p->group;
+  levels->resize(p->rows * p->depth);
+  scales->resize(p->rows * blocks);
+  std::fill(sums->begin(), sums->end(), 0.0f);
+  for (int64_t r = 0; r < p->rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* x = p->x + r * p->depth + b * kBlock;
+      float largest = 0.0f;
+      for (int64_t i = 0; i < kBlock; ++i) largest = std::max(largest, std::fabs(x[i]));
+      const float scale = largest / 127.0f;
+      (*scales)[r * blocks + b] = scale;
+      int8_t* out = levels->data() + r * p->depth + b * kBlock;
+      int32_t total = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const float level = scale > 0.0f ? std::nearbyint(x[i] / scale) : 0.0f;
+        out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, level)));
+        total += out[i];
+      }
+      (*sums)[r * groups + b * kBlock / p->group] += scale * static_cast<float>(total);
+    }
+  }
+  p->x_levels = levels->data();
+  p->x_scales = scales->data();
+}
+
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer weights,
+                           ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zeros,
+                           ffi::Buffer<ffi::S32> layer, bool int4, bool has_zeros,
+                           int64_t group_size, bool int8_activations, int32_t num_threads,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  Problem p;
+  // Scratch kept per calling thread across calls: a decode step makes ~200 of these calls,
+  // and allocating per call showed in its profile.
+  static thread_local std::vector<float> sums, widened, x_scales;
+  static thread_local std::vector<int8_t> x_levels;
+  ffi::Error error = Prepare(x, weights, scales, zeros, layer, int4, has_zeros, group_size, out,
+                             &p, &sums, &widened);
+  if (error.failure()) return error;
+  if (IntegerPath(p, int8_activations)) QuantizeActivations(&p, &x_levels, &x_scales, &sums);
+  const int32_t threads = std::max<int32_t>(1, num_threads);
+  if (int4) {
+    Run<true>(pool, p, threads);
+  } else {
+    Run<false>(pool, p, threads);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmul, QuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // weights [L, K', N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [L, C, N]
+                                  .Arg<ffi::AnyBuffer>()         // zeros [L, C, N] or [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Attr<bool>("int4")
+                                  .Attr<bool>("has_zeros")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<bool>("int8_activations")
+                                  .Attr<int32_t>("num_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

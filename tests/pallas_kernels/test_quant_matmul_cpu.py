@@ -1,0 +1,152 @@
+"""The C++ quantized matmul of the XLA:CPU path against the formats' jnp references, and its
+routing: float activations match `reference_matmul` to float32 summation order; int8
+activations match `reference.int8_activation_matmul` (the rule they implement)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quant_matmul import (
+    cpu,
+    dequantize_weight,
+    get_format,
+    quantize_weight,
+    quantized_matmul,
+    reference,
+)
+
+pytestmark = [
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernel"),
+    pytest.mark.skipif(not cpu.available(), reason="needs a C++ compiler and AVX2 + FMA"),
+]
+
+# (format, quantize_weight options): symmetric and zero-point int4 (int8 zeros from RTN),
+# a wider group, per-channel int8 and Q8_0's grouped int8.
+WEIGHTS = [("int4", dict(group_size=32)), ("int4", dict(group_size=32, symmetric=False)),
+           ("int4", dict(group_size=64)), ("int8", {}), ("int8_grouped", dict(group_size=32))]
+# Rows: 1 (a decode step), a row pair plus one, many; columns: whole 32-column blocks (the
+# group-split walk) and a tail (the tile walk and its scalar columns, 200 = 6 x 32 + 8).
+SHAPES = [(1, 128, 64), (3, 256, 200), (8, 64, 96), (64, 192, 32)]
+
+
+def _case(weight_format, options, rows, depth, columns, seed=0):
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.standard_normal((depth, columns)), jnp.float32)  # [K, N]
+    x = jnp.asarray(rng.standard_normal((rows, depth)) * 3, jnp.float32)  # [M, K]
+    return x, quantize_weight(w, weight_format, **options)
+
+
+def _kernel(x, weight, int8_activations, layer=None):
+    return jax.jit(lambda a, w: cpu.matmul(a, w.format, w.values, w.scales, w.zeros,
+                                           w.group_size, int8_activations=int8_activations,
+                                           layer=layer))(x, weight)
+
+
+def _relative_error(got, want):
+    return float(np.max(np.abs(np.asarray(got) - np.asarray(want))) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("weight_format,options", WEIGHTS)
+@pytest.mark.parametrize("rows,depth,columns", SHAPES)
+def test_float_activations_match_the_reference(weight_format, options, rows, depth, columns):
+    x, weight = _case(weight_format, options, rows, depth, columns)
+    want = get_format(weight_format).reference_matmul(x, weight, jnp.float32)  # [M, N]
+    assert _relative_error(_kernel(x, weight, False), want) < 2e-6
+
+
+@pytest.mark.parametrize("weight_format,options", WEIGHTS)
+@pytest.mark.parametrize("rows,depth,columns", SHAPES)
+def test_int8_activations_match_their_rule(weight_format, options, rows, depth, columns):
+    x, weight = _case(weight_format, options, rows, depth, columns, seed=1)
+    got = _kernel(x, weight, True)
+    rule = reference.int8_activation_matmul(x, dequantize_weight(weight))  # [M, N]
+    exact = get_format(weight_format).reference_matmul(x, weight, jnp.float32)  # [M, N]
+    if columns % 32:  # not whole 32-column blocks: the kernel keeps float activations
+        assert _relative_error(got, exact) < 2e-6
+        return
+    assert _relative_error(got, rule) < 2e-6
+    # The rule is not exact: int8 activations move the product by ~0.5%.
+    assert 1e-4 < _relative_error(got, exact) < 3e-2
+
+
+def test_float32_zero_points_of_gguf_q4_1_are_read_as_floats():
+    x, weight = _case("int4", dict(group_size=32, symmetric=False), 2, 128, 64)
+    offsets = weight.zeros.astype(jnp.float32) + 0.37  # [C, N] not whole steps
+    weight = type(weight)("int4", weight.values, weight.scales, offsets, 32)
+    want = get_format("int4").reference_matmul(x, weight, jnp.float32)
+    assert _relative_error(_kernel(x, weight, False), want) < 2e-6
+
+
+def test_a_stacked_weight_is_read_at_the_traced_layer():
+    weights = [_case("int4", dict(group_size=32, symmetric=False), 3, 128, 96, seed=s)[1]
+               for s in range(3)]
+    x = _case("int4", {}, 3, 128, 96, seed=9)[0]
+    values, scales, zeros = (jnp.stack([getattr(w, name) for w in weights])
+                             for name in ("values", "scales", "zeros"))
+
+    def per_layer(a):
+        return jax.lax.map(lambda layer: cpu.matmul(a, "int4", values, scales, zeros, 32,
+                                                    layer=layer, int8_activations=False),
+                           jnp.arange(3))
+
+    got = jax.jit(per_layer)(x)  # [L, M, N]
+    for index, weight in enumerate(weights):
+        want = get_format("int4").reference_matmul(x, weight, jnp.float32)
+        assert _relative_error(got[index], want) < 2e-6
+    # The layer stays a runtime operand: one custom call, no slice of the stack per layer.
+    assert jax.jit(per_layer).lower(x).as_text().count("jaxinfer_QuantMatmul") == 1
+
+
+def test_gradients_are_the_references():
+    x, weight = _case("int4", dict(group_size=32, symmetric=False), 4, 64, 32)
+    offsets = weight.zeros.astype(jnp.float32)  # [C, N]
+
+    probe = jnp.asarray(np.random.default_rng(5).standard_normal((4, 32)), jnp.float32)
+
+    def loss(matmul):  # linear in the product, so its gradients do not depend on its ulps
+        return lambda a, s, z: jnp.sum(probe * matmul(a, s, z))
+
+    def kernel(a, s, z):
+        return cpu.matmul(a, "int4", weight.values, s, z, 32, int8_activations=False)
+
+    def readable(a, s, z):
+        w = type(weight)("int4", weight.values, s, z, 32)
+        return get_format("int4").reference_matmul(a, w, jnp.float32)
+
+    got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(x, weight.scales, offsets)
+    want = jax.grad(loss(readable), argnums=(0, 1, 2))(x, weight.scales, offsets)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def test_the_public_op_routes_decode_rows_to_the_kernel_and_prefill_to_xla():
+    x, weight = _case("int4", dict(group_size=32), 1, 64, 32)
+    decode = jax.jit(lambda a, w: quantized_matmul(a, w)).lower(x, weight).as_text()
+    assert "jaxinfer_QuantMatmul" in decode
+    long = jnp.zeros((cpu.MAX_ROWS + 1, 64), jnp.float32)
+    prefill = jax.jit(lambda a, w: quantized_matmul(a, w)).lower(long, weight).as_text()
+    assert "jaxinfer_QuantMatmul" not in prefill
+    forced = jax.jit(lambda a, w: quantized_matmul(a, w, implementation="reference"))
+    assert "jaxinfer_QuantMatmul" not in forced.lower(x, weight).as_text()
+    with cpu.disabled():
+        assert "jaxinfer_QuantMatmul" not in jax.jit(
+            lambda a, w: quantized_matmul(a, w)).lower(x, weight).as_text()
+
+
+def test_int8_activations_are_off_unless_asked_for(monkeypatch):
+    monkeypatch.delenv("JAXINFER_CPU_INT8_ACTIVATIONS", raising=False)
+    assert not cpu.int8_activations_by_default()
+    monkeypatch.setenv("JAXINFER_CPU_INT8_ACTIVATIONS", "1")
+    assert cpu.int8_activations_by_default()
+
+
+def test_activation_quantization_rule_by_hand():
+    x = jnp.asarray([[0.0] * 32 + [127.0, -63.5] + [0.25] * 30], jnp.float32)  # [1, 64]
+    levels, scales = reference.quantize_activations_per_block(x)
+    np.testing.assert_array_equal(np.asarray(scales), [[0.0, 1.0]])
+    np.testing.assert_array_equal(np.asarray(levels[0, :32]), 0)  # a block of zeros
+    # 127 / 1 -> 127; -63.5 -> -64 (half to even); 0.25 -> 0.
+    np.testing.assert_array_equal(np.asarray(levels[0, 32:35]), [127, -64, 0])
