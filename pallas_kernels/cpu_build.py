@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -118,6 +119,33 @@ def load(source: pathlib.Path, targets: Iterable[str]) -> ctypes.CDLL:
                                     jax.ffi.pycapsule(getattr(library, target)),
                                     platform="cpu")
     return library
+
+
+def kernel_available(source: pathlib.Path, targets: Iterable[str], *, kernel: str,
+                     fallback: str, vectorized: str | None = None) -> bool:
+    """Builds and registers a CPU kernel; whether it can run here.
+
+    False, with one warning naming `kernel` and the `fallback` that runs instead, when it
+    cannot be built or loaded; False with `JAXINFER_CPU_KERNELS=0`; with `vectorized`, the
+    library's C function of that name says whether its vector path was compiled for this CPU.
+    """
+    if not enabled_by_environment():
+        return False
+    try:
+        library = load(source, targets)
+    except (RuntimeError, OSError) as error:
+        warnings.warn(f"the CPU {kernel} kernel is unavailable, using {fallback} instead: "
+                      f"{error}", RuntimeWarning, stacklevel=3)
+        return False
+    return vectorized is None or bool(getattr(library, vectorized)())
+
+
+def single_device() -> bool:
+    """Whether no multi-device mesh is active, or every axis is manual (inside `shard_map`):
+    the kernels' custom calls have no sharding rule, so a sharded operand keeps XLA's path,
+    which the partitioner splits."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is None or mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual
 
 
 def num_threads() -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,22 +40,8 @@ disabled = _switch.disabled
 def available() -> bool:
     """Whether the kernel is built, registered and vectorized for this CPU (False, with one
     warning, if it cannot be built, or with `JAXINFER_CPU_KERNELS=0`)."""
-    if not cpu_build.enabled_by_environment():
-        return False
-    try:
-        library = cpu_build.load(SOURCE, [_TARGET])
-    except (RuntimeError, OSError) as error:
-        warnings.warn(f"the CPU matmul kernel is unavailable, using XLA's dot instead: {error}",
-                      RuntimeWarning, stacklevel=2)
-        return False
-    return bool(library.JaxinferMatmulVectorized())
-
-
-def _single_device() -> bool:
-    """Whether no multi-device mesh is active (the custom call has no sharding rule, so a
-    sharded weight keeps XLA's dot, which the partitioner splits)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh is None or mesh.empty or mesh.size == 1
+    return cpu_build.kernel_available(SOURCE, [_TARGET], kernel="matmul",
+                                      fallback="XLA's dot", vectorized="JaxinferMatmulVectorized")
 
 
 def supports(x: jax.Array, weight: jax.Array, *, transposed: bool = False) -> bool:
@@ -75,7 +60,7 @@ def supports(x: jax.Array, weight: jax.Array, *, transposed: bool = False) -> bo
     return (traced and not _switch.off and jax.default_backend() == "cpu"
             and weight.ndim in (2, 3)
             and x.dtype == jnp.float32 and weight.dtype == jnp.float32
-            and 0 < rows <= limit and _single_device() and available())
+            and 0 < rows <= limit and cpu_build.single_device() and available())
 
 
 def _call(x: jax.Array, stack: jax.Array, layer: jax.Array, transposed: bool) -> jax.Array:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +32,9 @@ from pallas_kernels.quant_matmul import formats
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_quant_matmul.cc")
 _TARGET = "QuantMatmul"
-# Rows up to which the kernel runs. Each group of 4 rows decodes the weight again from L1,
-# while XLA's path dequantizes once and then multiplies at its large-product rate, so the
-# kernel's lead shrinks with rows (`benchmarks/kernels.py --quick` times both).
+# Rows up to which the kernel runs. Each pair of rows decodes the weight again from L1, while
+# XLA's path dequantizes once and then multiplies at its large-product rate, so the kernel's
+# lead shrinks with rows; prefill buckets (128 rows and up) keep XLA's path.
 MAX_ROWS = 64
 # Formats the kernel multiplies: name -> whether the values are packed nibbles.
 FORMATS = {"int4": True, "int8": False, "int8_grouped": False}
@@ -48,22 +47,9 @@ disabled = _switch.disabled
 def available() -> bool:
     """Whether the kernel is built, registered and vectorized for this CPU (False, with one
     warning, if it cannot be built, or with `JAXINFER_CPU_KERNELS=0`)."""
-    if not cpu_build.enabled_by_environment():
-        return False
-    try:
-        library = cpu_build.load(SOURCE, [_TARGET])
-    except (RuntimeError, OSError) as error:
-        warnings.warn(f"the CPU quantized-matmul kernel is unavailable, using XLA's path "
-                      f"instead: {error}", RuntimeWarning, stacklevel=2)
-        return False
-    return bool(library.JaxinferQuantMatmulVectorized())
-
-
-def _single_device() -> bool:
-    """Whether no multi-device mesh is active (the custom call has no sharding rule; a
-    sharded layer already runs per shard under `shard_map`, where the mesh is manual)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh is None or mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual
+    return cpu_build.kernel_available(SOURCE, [_TARGET], kernel="quantized-matmul",
+                                      fallback="XLA's path",
+                                      vectorized="JaxinferQuantMatmulVectorized")
 
 
 def supports(x: jax.Array, weight_format: str, values: jax.Array) -> bool:
@@ -78,7 +64,7 @@ def supports(x: jax.Array, weight_format: str, values: jax.Array) -> bool:
     return (traced and not _switch.off and jax.default_backend() == "cpu"
             and weight_format in FORMATS and values.ndim in (2, 3)
             and x.dtype == jnp.float32 and 0 < rows <= MAX_ROWS
-            and _single_device() and available())
+            and cpu_build.single_device() and available())
 
 
 def int8_activations_by_default() -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +39,8 @@ disabled = _switch.disabled
 def available() -> bool:
     """Whether the kernel is built and registered (False, with one warning, if it cannot be,
     or with `JAXINFER_CPU_KERNELS=0`)."""
-    if not cpu_build.enabled_by_environment():
-        return False
-    try:
-        cpu_build.load(SOURCE, _TARGETS.values())
-    except (RuntimeError, OSError) as error:
-        warnings.warn(f"the CPU decode-attention kernel is unavailable, using the XLA loop "
-                      f"instead: {error}", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return cpu_build.kernel_available(SOURCE, _TARGETS.values(), kernel="decode-attention",
+                                      fallback="the XLA loop")
 
 
 def supports(kv_pages: jax.Array, group: int) -> bool:
