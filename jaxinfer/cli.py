@@ -91,7 +91,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     # Imported here so that `jaxinfer --help` answers without initializing jax.
     from jaxinfer.generate import SamplingConfig, generate
-    from jaxinfer.model_loading import load_model, resolve_model_path
+    from jaxinfer.model_loading import dtype_overrides, load_model, resolve_model_path
     from jaxinfer.tokenizer import load_tokenizer
 
     try:
@@ -110,7 +110,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                                "text on stdin)")
         prompt_ids = tokenizer.encode(text)
 
-    overrides = {"param_dtype": args.dtype, "dtype": args.dtype} if args.dtype else {}
+    overrides = dtype_overrides(args.dtype)
     try:
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed)
@@ -242,6 +242,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from jaxinfer.bench import hf_peer, latency, throughput, vllm_peer
     from jaxinfer.bench.workload import make_requests
     from jaxinfer.engine.config import engine_options_from_args
+    from jaxinfer.model_loading import dtype_overrides
 
     compare_hf = args.compare_hf or "hf" in args.compare
     compare_vllm = "vllm" in args.compare
@@ -257,7 +258,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             args.model, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
             num_layers=args.num_layers, num_heads=args.num_heads,
             num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
-            dtype=dtype, param_dtype=dtype)
+            **dtype_overrides(dtype))
         options = engine_options_from_args(args)
         if args.bench_command == "throughput":
             requests = make_requests(args.num_prompts, vocab_size=model.config.vocab_size,

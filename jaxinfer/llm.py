@@ -30,7 +30,7 @@ from jaxinfer.engine.core import Prompt
 from jaxinfer.engine.factory import load_engine
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
-from jaxinfer.model_loading import load_model_config
+from jaxinfer.model_loading import dtype_overrides, load_model_config
 from jaxinfer.tokenizer import Tokenizer
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -116,7 +116,7 @@ class LLM:
             tokenizer, dtype, engine_options = _with_config_file(config, tokenizer, dtype,
                                                                  engine_options)
         self.model_name = str(model)
-        overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+        overrides = dtype_overrides(dtype)
         # The config (read here and in load_engine), tokenizer and weights of a GGUF file
         # all come from one parse of its metadata.
         with shared_gguf_files():

@@ -7,9 +7,13 @@ file, a preset.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from checkpoints import load_hf_checkpoint, restore_model
 from checkpoints.gguf_io import is_gguf_file, read_gguf_config
@@ -45,6 +49,35 @@ def resolve_model_path(model: str | os.PathLike[str]) -> Path:
                                     f"{sorted(BUILTIN_MODELS)}")
         return BUILTIN_DIRECTORY / BUILTIN_MODELS[builtin]
     return Path(name)
+
+
+logger = logging.getLogger(__name__)
+
+
+def dtype_overrides(dtype: str | None) -> dict[str, str]:
+    """The `ModelConfig` fields a user's `dtype` ("float32", "bfloat16" or None) sets.
+
+    "bfloat16" keeps the parameters in bfloat16 (half the memory, and half the bytes a
+    decode step reads). On TPU and GPU it computes in bfloat16 too. XLA:CPU has no fast
+    bfloat16 arithmetic: its bfloat16 dots convert element by element, and a bfloat16
+    SmolLM2-135M decoded ~20x slower than its float32 copy. So on the CPU the activations
+    stay float32, the matmul kernel (`pallas_kernels.dense_matmul`) reads the bfloat16
+    weights as stored, and a warning says so once per process. None keeps the checkpoint's
+    parameter dtype.
+    """
+    if dtype is None:
+        return {}
+    if dtype == "bfloat16" and jax.default_backend() == "cpu":
+        _say_cpu_computes_in_float32()
+        return {"param_dtype": "bfloat16", "dtype": "float32"}
+    return {"param_dtype": dtype, "dtype": dtype}
+
+
+@functools.cache
+def _say_cpu_computes_in_float32() -> None:
+    logger.warning("dtype=bfloat16 on the CPU: parameters are kept in bfloat16 and read as "
+                   "stored, activations are computed in float32 (XLA:CPU has no fast "
+                   "bfloat16 arithmetic)")
 
 
 def load_model_config(model: str | os.PathLike[str], **config_overrides: Any) -> ModelConfig:

@@ -121,23 +121,31 @@ def load(source: pathlib.Path, targets: Iterable[str]) -> ctypes.CDLL:
     return library
 
 
-def kernel_available(source: pathlib.Path, targets: Iterable[str], *, kernel: str,
-                     fallback: str, vectorized: str | None = None) -> bool:
-    """Builds and registers a CPU kernel; whether it can run here.
+def kernel_level(source: pathlib.Path, targets: Iterable[str], *, kernel: str,
+                 fallback: str, vectorized: str | None = None) -> int:
+    """Builds and registers a CPU kernel; which of its paths can run here.
 
-    False, with one warning naming `kernel` and the `fallback` that runs instead, when it
-    cannot be built or loaded; False with `JAXINFER_CPU_KERNELS=0`; with `vectorized`, the
-    library's C function of that name says whether its vector path was compiled for this CPU.
+    0, with one warning naming `kernel` and the `fallback` that runs instead, when it cannot
+    be built or loaded; 0 with `JAXINFER_CPU_KERNELS=0`; with `vectorized`, what the
+    library's C function of that name returns (0: no vector path compiled for this CPU;
+    kernels with several paths number them); 1 without.
     """
     if not enabled_by_environment():
-        return False
+        return 0
     try:
         library = load(source, targets)
     except (RuntimeError, OSError) as error:
         warnings.warn(f"the CPU {kernel} kernel is unavailable, using {fallback} instead: "
                       f"{error}", RuntimeWarning, stacklevel=3)
-        return False
-    return vectorized is None or bool(getattr(library, vectorized)())
+        return 0
+    return 1 if vectorized is None else int(getattr(library, vectorized)())
+
+
+def kernel_available(source: pathlib.Path, targets: Iterable[str], *, kernel: str,
+                     fallback: str, vectorized: str | None = None) -> bool:
+    """Whether `kernel_level` finds any path of the kernel that can run here."""
+    return kernel_level(source, targets, kernel=kernel, fallback=fallback,
+                        vectorized=vectorized) > 0
 
 
 def single_device() -> bool:

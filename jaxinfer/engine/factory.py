@@ -22,7 +22,12 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.core import Engine
 from jaxinfer.engine.data_parallel import DataParallelEngine
 from jaxinfer.engine.parallel import place_on_mesh, replica_meshes
-from jaxinfer.model_loading import load_model, load_model_config, resolve_model_path
+from jaxinfer.model_loading import (
+    dtype_overrides,
+    load_model,
+    load_model_config,
+    resolve_model_path,
+)
 from jaxinfer.models import Transformer
 from jaxinfer.multihost import StepChannel
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
@@ -98,7 +103,7 @@ def load_engine(model: str | os.PathLike[str], *,
     if config is not None and engine_options:
         raise ValueError("give config or engine options, not both")
     config = config or EngineConfig.from_options(**engine_options)
-    overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+    overrides = dtype_overrides(dtype)
     with shared_gguf_files():  # a GGUF file's metadata is parsed once for all four reads
         config.parallel.check_model(load_model_config(model, **overrides))
         meshes = replica_meshes(config.parallel)

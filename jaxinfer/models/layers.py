@@ -94,16 +94,15 @@ class LinearParam(ReadInPlace, nnx.Param):
         value = self.get_value()
         layer = None
         if isinstance(value, StackedLayer):  # inside a scan over layers
-            if value.stack.dtype == x.dtype:
-                value, layer = value.stack, value.layer  # [L, *inputs, *outputs], []
-            else:  # a cast would convert every layer: slice first
-                value = value.matrix()  # [*inputs, *outputs]
+            value, layer = value.stack, value.layer  # [L, *inputs, *outputs], []
         lead = () if layer is None else value.shape[:1]
         shape = value.shape[len(lead):]  # [*inputs, *outputs]
         outputs = shape[self.get_metadata("input_axes", 1):]
         # One [I, O] matrix (a free reshape): the C++ kernel on XLA:CPU for decode-sized
-        # products, else XLA's dot.
-        matrix = value.astype(x.dtype).reshape(*lead, -1, math.prod(outputs))  # [(L,) I, O]
+        # products, else XLA's dot. A weight stored in another dtype than x's is cast by
+        # dense_matmul after it slices the layer (a cast of the stack would convert every
+        # layer), or read as stored (bfloat16 under float32 x) by the CPU kernel.
+        matrix = value.reshape(*lead, -1, math.prod(outputs))  # [(L,) I, O]
         out = dense_matmul(x, matrix, layer=layer, out_dtype=out_dtype)  # [..., O]
         return out.reshape(*x.shape[:-1], *outputs)  # [..., *outputs]
 
@@ -202,8 +201,10 @@ class Embedding(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: logits in float32 from hidden states `x` [B, T, D]."""
-        weight = self.weight[...].astype(self.dtype)  # [V, D]
-        return dense_matmul(x, weight, transposed=True,
+        # Cast by dense_matmul where it must (a bfloat16 table under float32 compute is read
+        # as stored by the CPU kernel: widening it first wrote a float32 copy every step).
+        weight = self.weight[...]  # [V, D]
+        return dense_matmul(x.astype(self.dtype), weight, transposed=True,
                             out_dtype=jnp.float32)  # [B, T, V]
 
 

@@ -1,8 +1,9 @@
 """Dense (float) matmul: `x @ weight` for a linear layer, through the fastest path here.
 
-On XLA:CPU with AVX-512, products of few rows (decode steps) take the C++ kernel
-(`cpu.py`); everywhere else, and for many rows, XLA's `dot_general` runs, which is also the
-reference the kernel is tested against. On TPU and GPU XLA's dot is the fast path already.
+On XLA:CPU (AVX2 or AVX-512), products of few rows (decode steps) take the C++ kernel
+(`cpu.py`), which also reads bfloat16 weights as stored under float32 activations; everywhere
+else, and for many rows, XLA's `dot_general` runs, which is also the reference the kernel is
+tested against. On TPU and GPU XLA's dot is the fast path already.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def dense_matmul(x: jax.Array, weight: jax.Array, *, layer: jax.Array | int | No
 
     Args:
         x: `[..., K]` activations.
-        weight: `[K, N]` (`[N, K]` with `transposed`) in `x`'s dtype; with `layer`, a stack
-            `[L, K, N]` (`[L, N, K]`) of which `weight[layer]` is multiplied. A scan over
-            layers passes the whole stack so that the kernel reads the layer in place (XLA:CPU
-            would copy the slice out before its dot).
+        weight: `[K, N]` (`[N, K]` with `transposed`); with `layer`, a stack `[L, K, N]`
+            (`[L, N, K]`) of which `weight[layer]` is multiplied. A scan over layers passes
+            the whole stack so that the kernel reads the layer in place (XLA:CPU would copy
+            the slice out before its dot). A weight of another dtype than `x` (bfloat16
+            parameters under float32 compute) is read as stored by the CPU kernel, else
+            cast to `x`'s dtype after the layer is sliced (one layer, not the stack).
         layer: Index into a stacked `weight`, or None.
         transposed: The weight is `[N, K]`.
         out_dtype: Accumulate and return in this dtype; default `x`'s.
@@ -51,4 +54,5 @@ def dense_matmul(x: jax.Array, weight: jax.Array, *, layer: jax.Array | int | No
         return cpu.matmul(x, weight, layer=layer, transposed=transposed)  # [..., N]
     if layer is not None:
         weight = jax.lax.dynamic_index_in_dim(weight, layer, keepdims=False)  # [K, N]
-    return dense_matmul_reference(x, weight, transposed=transposed, out_dtype=out_dtype)
+    return dense_matmul_reference(x, weight.astype(x.dtype), transposed=transposed,
+                                  out_dtype=out_dtype)

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+
 from jaxinfer import compilation_cache
 
 
@@ -58,3 +60,25 @@ def test_a_second_process_reads_the_step_programs_from_the_cache(tmp_path):
 
 def test_the_cache_can_be_switched_off(tmp_path):
     assert _warm_up("off")["dir"] in (None, "")
+
+
+def test_a_host_that_cannot_load_its_own_programs_keeps_the_cache_off(monkeypatch, tmp_path,
+                                                                      caplog):
+    # This host's loader works (the probe passes); a loader that refuses, as XLA:CPU's does on
+    # some AVX-512 CPUs (jax-ml/jax#38445), leaves the cache off with XLA's reason logged.
+    assert compilation_cache.host_loads_its_own_programs()
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Target machine feature +prefer-no-gather is not supported")
+
+    monkeypatch.setattr(compilation_cache, "deserialize_and_load", refuse)
+    compilation_cache.host_loads_its_own_programs.cache_clear()
+    configured = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        assert compilation_cache.enable_compilation_cache(tmp_path / "xla") is None
+        assert not (tmp_path / "xla").exists()
+        assert "+prefer-no-gather" in caplog.text
+    finally:
+        jax.config.update("jax_compilation_cache_dir", configured)
+        compilation_cache.host_loads_its_own_programs.cache_clear()

@@ -11,28 +11,33 @@ from pallas_kernels.dense_matmul import cpu, dense_matmul, dense_matmul_referenc
 
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernel"),
-    # The kernel's only fast path is AVX-512; elsewhere (an AVX2 CPU) XLA's dot runs.
-    pytest.mark.skipif(not cpu.available(), reason="needs a C++ compiler and AVX-512"),
+    # The kernel's paths are AVX-512 and AVX2 + FMA; elsewhere XLA's dot runs.
+    pytest.mark.skipif(not cpu.available(), reason="needs a C++ compiler and AVX2 or AVX-512"),
 ]
 
 
-def _arrays(rows: int, depth: int, columns: int, layers: int = 1, seed: int = 0):
+def _arrays(rows: int, depth: int, columns: int, layers: int = 1, seed: int = 0,
+            weight_dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.float32)  # [M, K]
-    stack = jnp.asarray(rng.standard_normal((layers, depth, columns)), jnp.float32)  # [L, K, N]
+    stack = jnp.asarray(rng.standard_normal((layers, depth, columns)),
+                        weight_dtype)  # [L, K, N]
     return x, stack
 
 
 # Rows cover the streaming path (<= 16: one group, a partial group, two groups), the register
 # tiles (a partial 6-row tile, many tiles) and the limit; depths and columns cover vector and
-# quad tails (100 = 6 x 16 + 4, 37 odd) and more than one depth block (300 > 128).
+# quad tails (100 = 6 x 16 + 4, 37 odd) and more than one depth block (300 > 128). bfloat16
+# weights (read as stored, widened in registers) take the AVX2 path on every x86 CPU.
+@pytest.mark.parametrize("weight_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 16, 17, 64, 256])
 @pytest.mark.parametrize("depth,columns", [(64, 64), (100, 37), (300, 200)])
-def test_kernel_matches_xla_dot(rows, depth, columns):
-    x, stack = _arrays(rows, depth, columns)
+def test_kernel_matches_xla_dot(rows, depth, columns, weight_dtype):
+    x, stack = _arrays(rows, depth, columns, weight_dtype=weight_dtype)
     weight = stack[0]  # [K, N]
     want = np.asarray(x, np.float64) @ np.asarray(weight, np.float64)  # [M, N]
     got = jax.jit(lambda a, b: cpu.matmul(a, b))(x, weight)
+    assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.sqrt(depth))
     transposed = jnp.asarray(np.asarray(weight).T.copy())  # [N, K]
     if rows <= cpu.MAX_ROWS_TRANSPOSED:
@@ -55,17 +60,21 @@ def test_a_stacked_weight_is_read_at_the_traced_layer():
     assert text.count("jaxinfer_DenseMatmulF32") == 1
 
 
-def test_gradients_match_xla_dot():
-    x, stack = _arrays(4, 48, 40, layers=3)
+@pytest.mark.parametrize("weight_dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_match_xla_dot(weight_dtype):
+    x, stack = _arrays(4, 48, 40, layers=3, weight_dtype=weight_dtype)
 
     def loss(function):
         return lambda a, b: jnp.sum(jnp.sin(function(a, b)))
 
     kernel = loss(lambda a, b: cpu.matmul(a, b, layer=1))
-    reference = loss(lambda a, b: a @ b[1])
+    reference = loss(lambda a, b: a @ b[1].astype(jnp.float32))
     for got, want in zip(jax.grad(kernel, argnums=(0, 1))(x, stack),
                          jax.grad(reference, argnums=(0, 1))(x, stack)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-2 if weight_dtype == jnp.bfloat16 else 1e-4,
+                                   atol=1e-5)
 
 
 def test_routing_takes_the_kernel_only_where_it_is_faster_and_exact():
@@ -80,18 +89,26 @@ def test_routing_takes_the_kernel_only_where_it_is_faster_and_exact():
     assert not cpu.supports(x, weight)
     # Leading axes are flattened into rows.
     assert "jaxinfer_DenseMatmulF32" in lowered(x.reshape(2, 4, 64), weight)
-    # bfloat16, more rows than the kernel wins at, and a switched-off kernel keep XLA's dot.
+    # A bfloat16 weight under float32 activations is read as stored.
+    assert "jaxinfer_DenseMatmulF32" in lowered(x, weight.astype(jnp.bfloat16))
+    # bfloat16 activations, more rows than the kernel wins at, and a switched-off kernel
+    # keep XLA's dot.
     assert "jaxinfer_" not in lowered(x.astype(jnp.bfloat16), weight.astype(jnp.bfloat16))
-    many = jnp.zeros((cpu.MAX_ROWS + 1, 64), jnp.float32)
+    many = jnp.zeros((cpu.max_rows(jnp.float32) + 1, 64), jnp.float32)
     assert "jaxinfer_" not in lowered(many, weight)
-    assert "jaxinfer_" not in lowered(x[:, :32].repeat(cpu.MAX_ROWS_TRANSPOSED + 1, 0)[:, :32],
-                                      weight, transposed=True)
+    assert "jaxinfer_" not in lowered(many, weight.astype(jnp.bfloat16).T, transposed=True)
     with cpu.disabled():
         assert "jaxinfer_" not in lowered(x, weight)
-    # Both routes give the same numbers.
+    # Both routes give the same numbers; a bfloat16 weight off the kernel (eager, or past
+    # its rows) is widened after its layer is sliced.
     np.testing.assert_allclose(np.asarray(dense_matmul(x, weight)),
                                np.asarray(dense_matmul_reference(x, weight)),
                                rtol=1e-5, atol=1e-5)
+    narrow = jnp.stack([weight, 2 * weight]).astype(jnp.bfloat16)  # [2, K, N]
+    for rows in (x, many):
+        want = dense_matmul_reference(rows, 2 * narrow[0].astype(jnp.float32))
+        got = jax.jit(lambda a, b: dense_matmul(a, b, layer=1))(rows, narrow)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_a_weight_sharded_over_a_mesh_keeps_xla_dot():
