@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import jax
 import pytest
 
 from jaxinfer import LLM, CompletionOutput, RequestOutput, SamplingParams
@@ -119,7 +120,10 @@ num_tokens = 2
     assert (config.max_model_len, config.cache.kv_cache_dtype, config.limits.max_n) == (
         128, "int8", 3)
     assert config.speculative == SpeculativeConfig(method="ngram", num_tokens=2)
-    assert llm.engine.model.config.dtype == "bfloat16"  # the demo is float32
+    # The file's dtype: the demo is float32. On the CPU bfloat16 weights compute in float32.
+    assert llm.engine.model.config.param_dtype == "bfloat16"
+    assert llm.engine.model.config.dtype == (
+        "float32" if jax.default_backend() == "cpu" else "bfloat16")
     assert llm.model_name == "builtin:demo"
     path.write_text("max_num_seq = 4\n")
     with pytest.raises(ConfigFileError, match=re.escape(f"{path}: unknown option 'max_num_seq'")):
