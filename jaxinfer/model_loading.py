@@ -60,7 +60,7 @@ def dtype_overrides(dtype: str | None) -> dict[str, str]:
     "bfloat16" keeps the parameters in bfloat16 (half the memory, and half the bytes a
     decode step reads). On TPU and GPU it computes in bfloat16 too. XLA:CPU has no fast
     bfloat16 arithmetic: its bfloat16 dots convert element by element, and a bfloat16
-    SmolLM2-135M decoded ~20x slower than its float32 copy. So on the CPU the activations
+    SmolLM2-135M decoded 20-25x slower than its float32 copy. So on the CPU the activations
     stay float32, the matmul kernel (`pallas_kernels.dense_matmul`) reads the bfloat16
     weights as stored, and a warning says so once per process. None keeps the checkpoint's
     parameter dtype.

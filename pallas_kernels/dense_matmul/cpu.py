@@ -10,7 +10,7 @@ or faster, so `supports` sends only products of at most `max_rows()` rows here.
 
 Weights may be float32 or bfloat16 (activations are float32): a bfloat16 weight is read as
 stored and widened in registers, half the bytes of a float32 one, where XLA:CPU's bfloat16
-dot converts element by element and ran a bfloat16 model ~20x slower than float32.
+dot converts element by element and ran a bfloat16 model 20-25x slower than float32.
 
 The source is built on first use by `pallas_kernels.cpu_build`. Its paths: AVX-512 (float32
 weights, up to `MAX_ROWS` rows) and AVX2 + FMA (bfloat16 weights everywhere, float32 ones
@@ -40,8 +40,8 @@ MAX_ROWS_TRANSPOSED = 32
 # Rows up to which the AVX2 path runs: its streaming walk (decode steps of up to 16
 # sequences); longer products keep XLA's dot, after a bfloat16 layer is widened.
 AVX2_MAX_ROWS = 16
-# `JaxinferMatmulVectorized`: which paths the library has.
-_AVX2_ONLY, _AVX512_AND_AVX2 = 1, 2
+# `JaxinferMatmulVectorized` of a library with both paths (1: AVX2 only).
+_AVX512_AND_AVX2 = 2
 # Weight dtypes the kernel reads.
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _switch = cpu_build.KernelSwitch()
@@ -87,7 +87,7 @@ def supports(x: jax.Array, weight: jax.Array, *, transposed: bool = False) -> bo
     traced = isinstance(x, jax.core.Tracer) or isinstance(weight, jax.core.Tracer)
     return (traced and not _switch.off and jax.default_backend() == "cpu"
             and weight.ndim in (2, 3) and x.dtype == jnp.float32
-            and weight.dtype in WEIGHT_DTYPES and cpu_build.single_device()
+            and cpu_build.single_device()
             and 0 < rows <= max_rows(weight.dtype, transposed=transposed))
 
 
@@ -140,8 +140,8 @@ def matmul(x: jax.Array, weight: jax.Array, *, layer: jax.Array | int | None = N
 
     Args:
         x: `[..., K]` float32 activations.
-        weight: `[K, N]` float32 or bfloat16 (`[N, K]` with `transposed`), or with `layer` a stack
-            `[L, K, N]` (`[L, N, K]`) of which `weight[layer]` is read in place.
+        weight: `[K, N]` float32 or bfloat16 (`[N, K]` with `transposed`), or with `layer`
+            a stack `[L, K, N]` (`[L, N, K]`) of which `weight[layer]` is read in place.
         layer: Index into a stacked `weight`; None for a single matrix.
         transposed: The weight is `[N, K]`.
 

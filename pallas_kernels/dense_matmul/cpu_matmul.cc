@@ -8,7 +8,7 @@
 // The weight is float32 or bfloat16; a bfloat16 weight is widened in registers (its bits
 // shifted into a float32's upper half) and multiplied in float32, so a bfloat16 model reads
 // half a float32 model's bytes per token. (XLA:CPU's own bfloat16 dot converts both operands
-// element by element and ran a bfloat16 SmolLM2 ~20x slower than its float32 copy.)
+// element by element and ran a bfloat16 SmolLM2 20-25x slower than its float32 copy.)
 //
 // AVX-512, float32 weights: [K, N] weights: the columns are cut into tiles of 64 (four
 // 16-lane vectors) shared over `num_threads` tasks on XLA's intra-op pool (`cpu_parallel.h`);
