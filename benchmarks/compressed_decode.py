@@ -115,9 +115,10 @@ print(json.dumps({**timing, "weight_bytes_read": total, "prompt_tokens": ids.sha
 
 
 def _quantized(name: str, arguments: list[str]) -> Path:
-    """A `jaxinfer quantize` checkpoint of the HF directory (made once)."""
+    """A `jaxinfer quantize` checkpoint of the HF directory, default options (made once;
+    the directory names change with the defaults they were made under)."""
     out = MODELS / name
-    if not (out / "config.json").exists() and not any(out.glob("*")):
+    if not any(out.glob("*")):
         subprocess.run([sys.executable, "-m", "jaxinfer.cli", "quantize", "--model",
                         str(HF_DIRECTORY), "--method", "rtn", *arguments, "--out", str(out)],
                        check=True)
@@ -126,15 +127,19 @@ def _quantized(name: str, arguments: list[str]) -> Path:
 
 def configurations() -> list[dict]:
     """(name, what, how to run) of every measured configuration, peers last."""
-    int8 = _quantized("smollm2-int8", ["--bits", "8"])
-    int4 = _quantized("smollm2-int4", ["--bits", "4", "--group-size", "32", "--asymmetric"])
+    # Made with `--head auto`: SmolLM2's tied head in int8 groups of 32, as GGUF's Q8_0.
+    int8 = _quantized("smollm2-rtn-int8", ["--bits", "8"])
+    int4 = _quantized("smollm2-rtn-int4", ["--bits", "4", "--group-size", "32",
+                                           "--asymmetric"])
     jaxinfer = [
         ("jaxinfer, GGUF Q4_1 (the file `make demo` serves)", str(GGUF), {}, {}, NEW_TOKENS),
         ("jaxinfer, GGUF Q4_1, int8 activations (opt-in)", str(GGUF), {},
          {"JAXINFER_CPU_INT8_ACTIVATIONS": "1"}, NEW_TOKENS),
         ("jaxinfer, float32 (HF directory)", str(HF_DIRECTORY), {}, {}, NEW_TOKENS),
-        ("jaxinfer, int8 per channel (RTN)", str(int8), {}, {}, NEW_TOKENS),
-        ("jaxinfer, int4 g32 with zero points (RTN)", str(int4), {}, {}, NEW_TOKENS),
+        ("jaxinfer, int8 per channel (RTN; tied head int8 g32)", str(int8), {}, {},
+         NEW_TOKENS),
+        ("jaxinfer, int4 g32 with zero points (RTN; tied head int8 g32)", str(int4), {}, {},
+         NEW_TOKENS),
         # On the CPU, dtype="bfloat16" keeps bfloat16 weights and computes in float32
         # (`jaxinfer.model_loading.dtype_overrides`).
         ("jaxinfer, bfloat16 (HF directory, dtype=bfloat16)", str(HF_DIRECTORY),

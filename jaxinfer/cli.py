@@ -296,8 +296,8 @@ def _add_quantize(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "quantize", help="write a quantized checkpoint (RTN, GPTQ or SmoothQuant)",
         description="Quantize a model's linear weights and write a checkpoint that "
-                    "--model, LLM(model=DIR) and jaxinfer serve load directly. The LM head "
-                    "and the embedding stay in floating point.")
+                    "--model, LLM(model=DIR) and jaxinfer serve load directly. The "
+                    "embedding table stays in floating point; the LM head as --head says.")
     parser.add_argument("--model", required=True,
                         help="HF checkpoint directory, jaxinfer checkpoint or builtin:demo")
     parser.add_argument("--method", choices=("rtn", "gptq", "smoothquant"), required=True,
@@ -313,6 +313,12 @@ def _add_quantize(subparsers: argparse._SubParsersAction) -> None:
                         help="input rows per scale for 4 and 3 bits (default 128)")
     parser.add_argument("--asymmetric", action="store_true",
                         help="zero points per group (4 and 3 bits)")
+    parser.add_argument("--head", choices=("auto", "float", "int8"), default="auto",
+                        help="the LM head: float (the papers' protocol), int8 (groups of 32, "
+                             "GGUF's Q8_0, round to nearest), or auto (default): int8 where "
+                             "the head is tied to the embedding table (small models, whose "
+                             "head is their largest matrix, as llama.cpp's files have it), "
+                             "float otherwise")
     parser.add_argument("--calib", metavar="FILE",
                         help="calibration text (needed by gptq and smoothquant)")
     parser.add_argument("--calib-tokens", type=int, default=16384,
@@ -336,10 +342,14 @@ def _run_quantize(args: argparse.Namespace) -> int:
     from jaxinfer.quant.methods import apply_method
 
     try:
+        model = load_model(args.model)
+        head = args.head
+        if head == "auto":
+            head = "int8" if model.config.tie_word_embeddings else "float"
         config = QuantizationConfig.for_method(
             args.method, bits=args.bits, group_size=args.group_size,
             symmetric=not args.asymmetric, weight_format=args.weight_format,
-            smoothquant_alpha=args.alpha,
+            head=head, smoothquant_alpha=args.alpha,
             gptq_damping=args.damping, gptq_act_order=not args.no_act_order)
         windows = None
         if args.method != "rtn":
@@ -348,7 +358,6 @@ def _run_quantize(args: argparse.Namespace) -> int:
                                    "FILE")
             windows = _calibration_windows(args.model, args.calib, args.calib_window,
                                            args.calib_tokens)
-        model = load_model(args.model)
         quantized = apply_method(model, config, windows)
         source = resolve_model_path(args.model)
         out = save_quantized_model(quantized, config, args.out,

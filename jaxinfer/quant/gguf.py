@@ -54,7 +54,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models import Transformer
 from jaxinfer.models.layers import dtype_of
 from jaxinfer.quant.checkpoint import ModelFiller
-from jaxinfer.quant.linear import QuantizedLinear, linear_sites
+from jaxinfer.quant.linear import attach_tied_head, linear_sites
 from pallas_kernels.quant_matmul import QuantizedWeight
 
 # GGUF block types served as registry formats (the rest are dequantized).
@@ -171,12 +171,7 @@ def abstract_gguf_model(config: ModelConfig, mappings: list[GGUFMapping], *,
         table = _tied_head_tensor(config, by_path)
         if table is not None:
             head = _placeholder_weight(table.tensor_type, config.hidden_size, config.vocab_size)
-            # Float activations even where int8 ones are asked for (the CPU kernel's opt-in):
-            # at the head alone they moved SmolLM2's greedy answer to "What is the capital of
-            # France?" off "Paris".
-            model.lm_head = nnx.data(QuantizedLinear(  # declared None (static) when tied
-                head, (config.vocab_size,), logical_axes=("embed", "vocab"),
-                implementation=implementation, int8_activations=False))
+            attach_tied_head(model, head, implementation)
         return model
 
     return nnx.eval_shape(build)

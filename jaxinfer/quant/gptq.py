@@ -43,7 +43,7 @@ from jaxinfer.models import Transformer
 from jaxinfer.models.hooks import SITES
 from jaxinfer.quant.calibration import INPUT_SITE, embedding_output, positions_for, run_block
 from jaxinfer.quant.config import QuantizationConfig, WeightScheme
-from jaxinfer.quant.linear import LinearSite, copy_model, linear_sites
+from jaxinfer.quant.linear import LinearSite, copy_model, linear_sites, quantize_tied_head
 from pallas_kernels.quant_matmul import QuantizedWeight, WeightFormat, get_format
 
 # Called after each layer with (site, its [T, I] calibration inputs, the float [I, O]
@@ -310,6 +310,7 @@ def gptq_quantize_model(model: Transformer, config: QuantizationConfig, windows:
         inputs = hidden.reshape(-1, hidden.shape[-1])  # [B * T, D]
         _quantize_site(head[0], config.scheme_for("lm_head"), hessian(inputs), inputs,
                        config, on_layer, implementation)
+    quantize_tied_head(model, config, implementation)
     return model
 
 

@@ -367,7 +367,43 @@ def quantize_model(model: Transformer, config: QuantizationConfig, *,
         except ValueError as error:
             raise ValueError(f"{site.path}: {error}") from None
         site.quantize(weight, implementation)
+    quantize_tied_head(model, config, implementation)
     return model
+
+
+def quantize_tied_head(model: Transformer, config: QuantizationConfig,
+                       implementation: str = "auto") -> None:
+    """Where `model` ties its head to the embedding table and `config` has a scheme for
+    `lm_head`, serves the head from a round-to-nearest copy of the table in that scheme (as
+    llama.cpp's tied Q8_0 heads); calibrated quantizers (GPTQ) call this for tied heads too.
+
+    Raises:
+        ValueError: The table does not fit the scheme (e.g. D not a multiple of the group).
+    """
+    scheme = config.scheme_for("lm_head")
+    if model.lm_head is not None or scheme is None:
+        return
+    table = model.embed.weight[...]  # [V, D]
+    try:
+        weight = quantize_matrix(table.T, scheme)  # [D, V]
+    except ValueError as error:
+        raise ValueError(f"lm_head (tied to the embedding table): {error}") from None
+    attach_tied_head(model, weight, implementation)
+
+
+def attach_tied_head(model: Transformer, weight: QuantizedWeight,
+                     implementation: str = "auto") -> None:
+    """Serves a tied model's LM head from `weight`, a quantized `[D, V]` copy of its table
+    (the token lookup keeps the float table).
+
+    The head keeps float32 activations even where int8 ones are asked for (the CPU kernel's
+    opt-in): at the head alone they moved SmolLM2's greedy answer to "What is the capital of
+    France?" off "Paris".
+    """
+    vocab_size = model.config.vocab_size
+    model.lm_head = nnx.data(QuantizedLinear(  # declared None (static) when tied
+        weight, (vocab_size,), logical_axes=("embed", "vocab"),
+        implementation=implementation, int8_activations=False))
 
 
 def _round_to_nearest(site: LinearSite, scheme: WeightScheme) -> QuantizedWeight:

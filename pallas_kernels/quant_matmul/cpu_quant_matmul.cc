@@ -56,16 +56,22 @@ namespace {
 constexpr int64_t kBlock = 32;  // features per int8 activation scale (llama.cpp's Q8 block)
 constexpr int64_t kTile = 64;  // output columns per task
 constexpr int64_t kSub = 32;   // output columns per register block (four 8-float vectors)
+// Rows per walk group of a per-channel int8 weight (see Problem::group).
+constexpr int64_t kWalkRows = 32;
 
 // Inputs of one product, the layer's matrices already located.
 struct Problem {
   const float* x;        // [M, K]
   const uint8_t* w;      // int4: [K / 2, N] packed; int8: [K, N] as bytes
   const float* scales;   // [C, N]
-  const float* zeros;    // [C, N] or nullptr
+  const float* zeros;    // [C, N] float32, or nullptr
+  const int8_t* zeros8;  // [C, N] int8 (RTN's), or nullptr: read and widened in registers
   const float* sums;     // [M, C] sum of x over each group
   float* out;            // [M, N]
-  int64_t rows, depth, columns, group;
+  // `group`: rows summed before one scaling (the walk's unit, and the threads' split);
+  // `scale_group`: rows per stored scale, a multiple of `group` (per-channel int8 walks in
+  // groups of kWalkRows under its one scale row, so its rows can be split over threads too).
+  int64_t rows, depth, columns, group, scale_group;
   // With int8 activations: x per row and block of kBlock features as int8 levels and scales.
   const int8_t* x_levels = nullptr;  // [M, K]
   const float* x_scales = nullptr;   // [M, K / kBlock]
@@ -135,14 +141,20 @@ template <int R, bool kInt4>
 inline void ApplyGroup(const Problem& p, int64_t r0, int64_t g, int64_t c0, bool first,
                        const __m256 sums[R][4]) {
   const int64_t groups = p.depth / p.group;
-  const float* scale = p.scales + g * p.columns + c0;
-  const float* zero = p.zeros != nullptr ? p.zeros + g * p.columns + c0 : nullptr;
+  const int64_t stored = g * p.group / p.scale_group;  // the scale (and zero) row
+  const float* scale = p.scales + stored * p.columns + c0;
+  const float* zero = p.zeros != nullptr ? p.zeros + stored * p.columns + c0 : nullptr;
+  const int8_t* zero8 = p.zeros8 != nullptr ? p.zeros8 + stored * p.columns + c0 : nullptr;
   for (int v = 0; v < 4; ++v) {
     const __m256 s = _mm256_loadu_ps(scale + 8 * v);
-    const __m256 offset = kInt4 ? _mm256_add_ps(_mm256_set1_ps(8.0f),
-                                                zero != nullptr ? _mm256_loadu_ps(zero + 8 * v)
-                                                                : _mm256_setzero_ps())
-                                : _mm256_setzero_ps();
+    __m256 z = _mm256_setzero_ps();
+    if (zero != nullptr) {
+      z = _mm256_loadu_ps(zero + 8 * v);
+    } else if (zero8 != nullptr) {
+      z = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zero8 + 8 * v))));
+    }
+    const __m256 offset = kInt4 ? _mm256_add_ps(_mm256_set1_ps(8.0f), z) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       __m256 sum = sums[r][v];
       if (kInt4) sum = _mm256_fnmadd_ps(offset, _mm256_set1_ps(p.sums[(r0 + r) * groups + g]), sum);
@@ -353,8 +365,12 @@ void ScalarColumns(const Problem& p, int64_t c0, int64_t c1) {
           }
           acc += xr[k] * level;
         }
-        const float zero = p.zeros != nullptr ? p.zeros[g * p.columns + c] : 0.0f;
-        total += p.scales[g * p.columns + c] * (acc - zero * p.sums[r * groups + g]);
+        const int64_t stored = g * p.group / p.scale_group;
+        const int64_t at = stored * p.columns + c;
+        const float zero = p.zeros != nullptr    ? p.zeros[at]
+                           : p.zeros8 != nullptr ? static_cast<float>(p.zeros8[at])
+                                                 : 0.0f;
+        total += p.scales[stored * p.columns + c] * (acc - zero * p.sums[r * groups + g]);
       }
       p.out[r * p.columns + c] = total;
     }
@@ -383,11 +399,10 @@ void Run(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads) {
 }
 
 // Validates shapes and the layer index; locates the layer's matrices.
-// Int8 zero points (quantized here) are widened for the layer's [C, N] into `widened`.
 ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& weights, ffi::Buffer<ffi::F32>& scales,
                    ffi::AnyBuffer& zeros, ffi::Buffer<ffi::S32>& layer, bool int4,
                    bool has_zeros, int64_t group_size, ffi::ResultBuffer<ffi::F32>& out,
-                   Problem* p, std::vector<float>* sums, std::vector<float>* widened) {
+                   Problem* p, std::vector<float>* sums) {
   // (x_levels / x_scales are filled by QuantizeActivations afterwards, where they apply.)
   auto x_shape = x.dimensions();        // [M, K]
   auto w_shape = weights.dimensions();  // [L, K / 2, N] or [L, K, N]
@@ -416,31 +431,35 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& weights, ffi::Buffe
     return ffi::Error::InvalidArgument("layer index out of range");
   }
   const float* xs = x.typed_data();
-  sums->assign(rows * groups, 0.0f);  // [M, C]
+  // Per-channel int8 (one scale row) walks in groups of kWalkRows, which the threads split.
+  const int64_t walk = (!int4 && groups == 1 && depth > kWalkRows && depth % kWalkRows == 0)
+                           ? kWalkRows : group_size;
+  const int64_t walks = depth / walk;
+  sums->assign(rows * walks, 0.0f);  // [M, K / walk]
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g < walks; ++g) {
       float total = 0.0f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) total += xs[r * depth + k];
-      (*sums)[r * groups + g] = total;
+      for (int64_t k = g * walk; k < (g + 1) * walk; ++k) total += xs[r * depth + k];
+      (*sums)[r * walks + g] = total;
     }
   }
   const int64_t matrix_bytes = w_shape[1] * columns;
   const int64_t scale_count = groups * columns;
   const float* zero_points = nullptr;
+  const int8_t* narrow_zero_points = nullptr;
   if (has_zeros && zeros.element_type() == ffi::DataType::F32) {
     zero_points = static_cast<const float*>(zeros.untyped_data()) + index * scale_count;
   } else if (has_zeros) {
-    const int8_t* narrow = static_cast<const int8_t*>(zeros.untyped_data()) + index * scale_count;
-    widened->assign(narrow, narrow + scale_count);
-    zero_points = widened->data();
+    narrow_zero_points = static_cast<const int8_t*>(zeros.untyped_data()) + index * scale_count;
   }
   *p = Problem{xs,
                static_cast<const uint8_t*>(weights.untyped_data()) + index * matrix_bytes,
                scales.typed_data() + index * scale_count,
                zero_points,
+               narrow_zero_points,
                sums->data(),
                out->typed_data(),
-               rows, depth, columns, group_size};
+               rows, depth, columns, walk, group_size};
   return ffi::Error::Success();
 }
 
@@ -494,10 +513,10 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   Problem p;
   // Scratch kept per calling thread across calls: a decode step makes ~200 of these calls,
   // and allocating per call showed in its profile.
-  static thread_local std::vector<float> sums, widened, x_scales;
+  static thread_local std::vector<float> sums, x_scales;
   static thread_local std::vector<int8_t> x_levels;
   ffi::Error error = Prepare(x, weights, scales, zeros, layer, int4, has_zeros, group_size, out,
-                             &p, &sums, &widened);
+                             &p, &sums);
   if (error.failure()) return error;
   if (IntegerPath(p, int8_activations)) QuantizeActivations(&p, &x_levels, &x_scales, &sums);
   const int32_t threads = std::max<int32_t>(1, num_threads);

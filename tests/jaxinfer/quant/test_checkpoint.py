@@ -135,3 +135,44 @@ def test_quantize_and_eval_ppl_commands(tmp_path, capsys):
     assert full.ppl < result["ppl"] < 1.2 * full.ppl  # int4 costs a little, not a lot
     assert jaxinfer_main(["quantize", "--model", "builtin:demo", "--method", "gptq",
                           "--out", str(tmp_path / "x")]) == 2  # no --calib
+
+
+def test_a_tied_head_is_quantized_from_the_table_saved_and_restored(tmp_path):
+    config = get_preset("tiny").replace(tie_word_embeddings=True)
+    model = create_model(config, seed=3)
+    quantization = QuantizationConfig.for_method("rtn", bits=4, group_size=32, head="int8")
+    quantized = quantize_model(model, quantization)
+    head = quantized.lm_head
+    assert isinstance(head, QuantizedLinear) and head.format == "int8_grouped"
+    assert head.group_size == 32 and model.lm_head is None  # the float model is left tied
+    # The head is the table's Q8_0-style copy: logits within int8 rounding of the float
+    # table's, from the same hidden states; the lookup still reads the float table.
+    hidden = jax.random.normal(jax.random.key(0), (2, 5, config.hidden_size))  # [B, T, D]
+    want = np.asarray(hidden @ model.embed.weight[...].T)  # [B, T, V]
+    got = np.asarray(quantized.logits(hidden))  # [B, T, V]
+    assert 0 < np.max(np.abs(got - want)) < 0.02 * np.max(np.abs(want))
+    np.testing.assert_array_equal(np.asarray(quantized.embed.weight[...]),
+                                  np.asarray(model.embed.weight[...]))
+    loaded = load_model(save_quantized_model(quantized, quantization, tmp_path / "tied"))
+    assert isinstance(loaded.lm_head, QuantizedLinear)
+    np.testing.assert_array_equal(np.asarray(loaded.lm_head.values[...]),
+                                  np.asarray(head.values[...]))
+    np.testing.assert_array_equal(np.asarray(loaded.logits(hidden)), got)
+
+
+def test_the_default_config_keeps_a_tied_head_on_the_float_table():
+    model = create_model(get_preset("tiny").replace(tie_word_embeddings=True), seed=3)
+    quantized = quantize_model(model, QuantizationConfig.for_method("rtn", bits=8))
+    assert quantized.lm_head is None
+
+
+@pytest.mark.parametrize("head,quantized_head", [("auto", True), ("float", False)])
+def test_quantize_command_gives_a_tied_head_int8_by_default(tmp_path, head, quantized_head):
+    from tests.tiny_hf import save_hf_model
+    save_hf_model("qwen2", tmp_path / "hf")  # tied
+    out = tmp_path / f"q-{head}"
+    assert jaxinfer_main(["quantize", "--model", str(tmp_path / "hf"), "--method", "rtn",
+                          "--bits", "4", "--group-size", "32", "--head", head,
+                          "--out", str(out)]) == 0
+    loaded = load_model(out)
+    assert isinstance(loaded.lm_head, QuantizedLinear) == quantized_head

@@ -39,6 +39,15 @@ def test_for_method_keeps_the_lm_head_and_picks_the_format():
         .group_size == 128
 
 
+def test_head_int8_is_q8_0_groups_ahead_of_the_keep_float_rules():
+    config = QuantizationConfig.for_method("rtn", bits=4, group_size=32, head="int8")
+    assert config.scheme_for("lm_head") == WeightScheme(format="int8_grouped", group_size=32)
+    assert config.scheme_for("layers.0.mlp.up_proj").format == "int4"
+    assert QuantizationConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="head='int4'"):
+        QuantizationConfig.for_method("rtn", head="int4")
+
+
 def test_json_round_trip():
     config = QuantizationConfig.for_method("smoothquant", smoothquant_alpha=0.7)
     restored = QuantizationConfig.from_dict(json.loads(json.dumps(config.to_dict())))
