@@ -133,8 +133,10 @@ def configurations() -> list[dict]:
                                            "--asymmetric"])
     jaxinfer = [
         ("jaxinfer, GGUF Q4_1 (the file `make demo` serves)", str(GGUF), {}, {}, NEW_TOKENS),
-        ("jaxinfer, GGUF Q4_1, int8 activations (opt-in)", str(GGUF), {},
-         {"JAXINFER_CPU_INT8_ACTIVATIONS": "1"}, NEW_TOKENS),
+        # The default quantizes decode rows' activations to int8 (`JAXINFER_CPU_INT8_
+        # ACTIVATIONS=decode`); "off" keeps them float32 everywhere.
+        ("jaxinfer, GGUF Q4_1, float32 activations (JAXINFER_CPU_INT8_ACTIVATIONS=off)",
+         str(GGUF), {}, {"JAXINFER_CPU_INT8_ACTIVATIONS": "off"}, NEW_TOKENS),
         ("jaxinfer, float32 (HF directory)", str(HF_DIRECTORY), {}, {}, NEW_TOKENS),
         ("jaxinfer, int8 per channel (RTN; tied head int8 g32)", str(int8), {}, {},
          NEW_TOKENS),

@@ -79,9 +79,10 @@ class QuantizedLinear(nnx.Module):
             matrix's row `input_permutation[j]` (see above).
         int8_activations: On the CPU kernel's decode path, whether activations are quantized
             to int8 per block of 32 features (llama.cpp's Q8 rule, faster on AVX2, not exact):
-            None follows `$JAXINFER_CPU_INT8_ACTIVATIONS` (default off); False keeps them
-            float32 even where that is set, as a GGUF model's tied LM head does (its argmax is
-            where an activation rounding shows first).
+            None follows `$JAXINFER_CPU_INT8_ACTIVATIONS` (default "decode": products of at
+            most 16 rows, see `pallas_kernels.quant_matmul.cpu.int8_activations_by_default`);
+            False keeps them float32 everywhere, as a tied LM head does (its argmax is where
+            an activation rounding shows first).
     """
 
     def __init__(self, weight: QuantizedWeight, output_shape: Sequence[int], *,

@@ -67,13 +67,34 @@ def supports(x: jax.Array, weight_format: str, values: jax.Array) -> bool:
             and cpu_build.single_device() and available())
 
 
-def int8_activations_by_default() -> bool:
-    """Whether products quantize activations to int8 unless told otherwise:
-    `$JAXINFER_CPU_INT8_ACTIVATIONS` set to 1 / on / true. Off by default: on SmolLM2-135M
-    (whose activations have strong outlier channels) int8 activations in the prompt's
-    projections moved the greedy answer to "What is the capital of France?" off "Paris",
-    where the float path keeps transformers' tokens."""
-    return os.environ.get("JAXINFER_CPU_INT8_ACTIVATIONS", "0").lower() in ("1", "on", "true")
+# Products of at most this many rows quantize their activations to int8 by default (the
+# "decode" setting): decode steps of up to 16 sequences, where the weight read is the whole
+# cost and the float path is bound by widening weights (`cpu_quant_matmul.cc`).
+DECODE_ROWS = 16
+_INT8_ACTIVATIONS = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off",
+                     "false": "off", "decode": "decode"}
+
+
+def int8_activations_by_default(rows: int) -> bool:
+    """Whether a product of `rows` rows quantizes its activations to int8 unless told
+    otherwise, as `$JAXINFER_CPU_INT8_ACTIVATIONS` says:
+
+    - "decode" (the default): products of at most `DECODE_ROWS` rows. A prompt's prefill
+      keeps float activations: on SmolLM2-135M (strong outlier channels) int8 activations in
+      the prompt's projections moved the greedy answer to "What is the capital of France?"
+      off "Paris", where float prefill keeps transformers' tokens.
+    - "1" / "on" / "true": every product the kernel takes (up to `MAX_ROWS` rows), as
+      llama.cpp quantizes every activation of a Q4/Q8 weight;
+    - "0" / "off" / "false": none (float32 activations, the reference up to summation order).
+
+    Raises:
+        ValueError: Another value (naming the variable).
+    """
+    value = os.environ.get("JAXINFER_CPU_INT8_ACTIVATIONS", "decode").strip().lower()
+    if value not in _INT8_ACTIVATIONS:
+        raise ValueError(f"JAXINFER_CPU_INT8_ACTIVATIONS={value!r}: use decode, on or off")
+    setting = _INT8_ACTIVATIONS[value]
+    return setting == "on" or (setting == "decode" and rows <= DECODE_ROWS)
 
 
 def matmul(x: jax.Array, weight_format: str, values: jax.Array, scales: jax.Array,
@@ -96,7 +117,7 @@ def matmul(x: jax.Array, weight_format: str, values: jax.Array, scales: jax.Arra
             llama.cpp multiplies its Q4/Q8 weights by Q8 activations: 2-3x the float path's
             rate on AVX2. Applies where the group size is a multiple of 32 and O of 32; the
             float path (exact to the reference up to summation order) elsewhere. None:
-            `int8_activations_by_default()`.
+            `int8_activations_by_default(rows)`.
 
     Returns:
         `[..., O]` float32.
@@ -107,7 +128,7 @@ def matmul(x: jax.Array, weight_format: str, values: jax.Array, scales: jax.Arra
     columns = values.shape[-1]
     flat = x.reshape(-1, x.shape[-1])  # [M, I]
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)  # [1]
-    quantize = bool(int8_activations_by_default() if int8_activations is None
+    quantize = bool(int8_activations_by_default(flat.shape[0]) if int8_activations is None
                     else int8_activations)
     out = _matmul(flat, values, scales, zeros, index, weight_format, group_size,
                   quantize)  # [M, O]

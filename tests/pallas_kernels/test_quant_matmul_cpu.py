@@ -136,11 +136,28 @@ def test_the_public_op_routes_decode_rows_to_the_kernel_and_prefill_to_xla():
             lambda a, w: quantized_matmul(a, w)).lower(x, weight).as_text()
 
 
-def test_int8_activations_are_off_unless_asked_for(monkeypatch):
+def test_int8_activations_by_default_at_decode_rows_only(monkeypatch):
     monkeypatch.delenv("JAXINFER_CPU_INT8_ACTIVATIONS", raising=False)
-    assert not cpu.int8_activations_by_default()
-    monkeypatch.setenv("JAXINFER_CPU_INT8_ACTIVATIONS", "1")
-    assert cpu.int8_activations_by_default()
+    assert cpu.int8_activations_by_default(1)
+    assert cpu.int8_activations_by_default(cpu.DECODE_ROWS)
+    assert not cpu.int8_activations_by_default(cpu.DECODE_ROWS + 1)  # a prompt's prefill
+    monkeypatch.setenv("JAXINFER_CPU_INT8_ACTIVATIONS", "on")
+    assert cpu.int8_activations_by_default(cpu.MAX_ROWS)
+    monkeypatch.setenv("JAXINFER_CPU_INT8_ACTIVATIONS", "0")
+    assert not cpu.int8_activations_by_default(1)
+    monkeypatch.setenv("JAXINFER_CPU_INT8_ACTIVATIONS", "sometimes")
+    with pytest.raises(ValueError, match="JAXINFER_CPU_INT8_ACTIVATIONS='sometimes'"):
+        cpu.int8_activations_by_default(1)
+
+
+def test_a_decode_row_takes_int8_activations_and_a_prompt_keeps_floats(monkeypatch):
+    monkeypatch.delenv("JAXINFER_CPU_INT8_ACTIVATIONS", raising=False)
+    for rows, rule in ((1, True), (cpu.DECODE_ROWS + 8, False)):
+        x, weight = _case("int4", dict(group_size=32, symmetric=False), rows, 128, 64)
+        got = jax.jit(lambda a, w: cpu.matmul(a, w.format, w.values, w.scales, w.zeros,
+                                              w.group_size))(x, weight)
+        np.testing.assert_allclose(got, _kernel(x, weight, int8_activations=rule), rtol=1e-6,
+                                   atol=1e-5)
 
 
 def test_activation_quantization_rule_by_hand():
