@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -237,26 +238,45 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def merge_rounds(results: list[dict]) -> dict:
+    """One row from a configuration's rounds: median and minimum over every sample, the
+    other fields of the last round (the first error, if every round failed)."""
+    good = [result for result in results if "samples" in result]
+    if not good:
+        return results[0]
+    samples = [sample for result in good for sample in result["samples"]]
+    return {**good[-1], "median_ms": statistics.median(samples), "min_ms": min(samples),
+            "samples": samples, "rounds": len(good)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine.md")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--only", default=None,
                         help="measure only configurations whose name contains this")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the configurations this many times, in turn (A B A B: "
+                             "on a noisy machine a slow minute then hits every row); each "
+                             "row's median and minimum are over all its samples")
     args = parser.parse_args(argv)
     runs = [run for run in configurations()  # quantized checkpoints are made first
             if args.only is None or args.only in run["name"]]
-    rows = []
+    measured: dict[str, list[dict]] = {run["name"]: [] for run in runs}
     with quiet_phase() as record:
         peaks = machine_peaks()
-        for run in runs:
-            print(f"[{time.strftime('%H:%M:%S')}] {run['name']}", flush=True)
-            rows.append({"name": run["name"], **measure(run)})
-            print(json.dumps(rows[-1]), flush=True)
+        for _ in range(max(1, args.rounds)):
+            for run in runs:
+                print(f"[{time.strftime('%H:%M:%S')}] {run['name']}", flush=True)
+                measured[run["name"]].append(measure(run))
+                print(json.dumps(measured[run["name"]][-1]), flush=True)
+    rows = [{"name": name, **merge_rounds(results)} for name, results in measured.items()]
     flags = Path("/proc/cpuinfo").read_text()
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python benchmarks/compressed_decode.py --out benchmarks/results/engine.md",
+        "command": "python benchmarks/compressed_decode.py --out benchmarks/results/engine.md"
+                   + (f" --only '{args.only}'" if args.only else "")
+                   + (f" --rounds {args.rounds}" if args.rounds > 1 else ""),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True, cwd=ROOT).stdout.strip(),
         "cpu": cpu_name(),

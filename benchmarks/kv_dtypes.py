@@ -155,10 +155,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model = load_model(args.model)
     config = model.config
     contexts = tuple(int(size) for size in args.contexts.split(","))
-    tokens = validation_tokens(Path(args.corpus), args.model, args.ppl_tokens + 1)
+    dtypes = [name for name in args.dtypes.split(",") if name]
+    stream_dtypes = [name for name in args.stream_dtypes.split(",") if name]
+    # `--dtypes "" --stream-dtypes "" --decode` times decode alone (no corpus needed).
+    tokens = (validation_tokens(Path(args.corpus), args.model, args.ppl_tokens + 1)
+              if dtypes or stream_dtypes else None)
     pool_bytes = args.pool_mib * 2 ** 20
     rows = []
-    for name in [name for name in args.dtypes.split(",") if name]:
+    for name in dtypes:
         started = time.perf_counter()
         ppl = {context: perplexity(model, tokens, window=context, batch_size=args.batch_size,
                                    kv_cache_dtype=name).ppl for context in contexts}
@@ -171,11 +175,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps({**dataclasses.asdict(row), "seconds": time.perf_counter() - started}),
               flush=True)
     streamed = []
-    windows = tokens[:args.stream_windows * args.stream_context].reshape(
-        args.stream_windows, args.stream_context)  # [B, T]
     prefix = args.stream_context // 2
-    float_nll, count = streamed_nll(model, windows, "float32", 16, prefix)
-    for name in [name for name in args.stream_dtypes.split(",") if name]:
+    if stream_dtypes:
+        windows = tokens[:args.stream_windows * args.stream_context].reshape(
+            args.stream_windows, args.stream_context)  # [B, T]
+        float_nll, count = streamed_nll(model, windows, "float32", 16, prefix)
+    for name in stream_dtypes:
         for page_size in (int(size) for size in args.stream_pages.split(",")):
             nll, _ = streamed_nll(model, windows, name, page_size, prefix)
             entry = {"name": name, "page_size": page_size, "ppl": math.exp(nll / count),
@@ -184,12 +189,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(entry), flush=True)
     decode = {}
     if args.decode:
-        for name in DTYPES:
+        for name in [name for name in args.decode_dtypes.split(",") if name]:
             decode[name] = decode_tokens_per_second(model, None if name == "float32" else name,
                                                     batch_size=args.decode_batch)
             print(json.dumps({"decode": name, "tokens_per_s": decode[name]}), flush=True)
     return {"rows": [dataclasses.asdict(row) for row in rows], "streamed": streamed,
-            "decode": decode, "contexts": contexts, "pool_mib": args.pool_mib,
+            "decode": decode, "decode_batch": args.decode_batch, "contexts": contexts,
+            "pool_mib": args.pool_mib,
             "stream": [args.stream_windows, args.stream_context, prefix],
             "machine": machine_info()}
 
@@ -228,7 +234,7 @@ def markdown(results: dict[str, Any], command: str) -> str:
         lines.append(f"| {row['name']} | {cells} | {row['bytes_per_token']:,.0f} | "
                      f"{row['bytes_per_token'] / base['bytes_per_token']:.3f} | "
                      f"{row['residual_bytes_per_sequence']:,} | {row['max_sequences']} |")
-    lines += [
+    lines += [] if not results["streamed"] else [
         "",
         "## KIVI's residual window (streamed decode)",
         "",
@@ -244,8 +250,13 @@ def markdown(results: dict[str, Any], command: str) -> str:
         lines.append(f"| {entry['name']} | {entry['page_size']} | {entry['ppl']:.3f} | "
                      f"{entry['ppl'] / entry['float_ppl']:.4f} |")
     if results["decode"]:
-        lines += ["", "## Decode tok/s", "", "| KV dtype | tok/s |", "| --- | ---: |"]
-        lines += [f"| {name} | {speed:.0f} |" for name, speed in results["decode"].items()]
+        base_speed = results["decode"].get("float32")
+        lines += ["", f"## Decode tok/s (batch {results['decode_batch']}, 32-token prompts, "
+                  "32 greedy tokens)", "", "| KV dtype | tok/s | / fp32 |",
+                  "| --- | ---: | ---: |"]
+        lines += [f"| {name} | {speed:.0f} | "
+                  f"{speed / base_speed:.2f} |" if base_speed else f"| {name} | {speed:.0f} | - |"
+                  for name, speed in results["decode"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -268,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-pages", default="8,16,32,64")
     parser.add_argument("--decode", action="store_true", help="also time decode (quiet machine)")
     parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-dtypes", default=",".join(DTYPES),
+                        help="KV dtypes timed by --decode (float32 first: the ratios' base)")
     parser.add_argument("--json", help="also write the numbers here")
     parser.add_argument("--out", default="benchmarks/results/kv_dtypes.md")
     args = parser.parse_args(argv)

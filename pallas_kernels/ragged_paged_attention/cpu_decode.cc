@@ -17,9 +17,15 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define JAXINFER_DECODE_F16C 1
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -70,6 +76,64 @@ inline float Widen(uint16_t bits) {  // bfloat16: the high half of a float32
   return value;
 }
 
+// A whole key or value row of a float8 pool widened to float32 before its dot products:
+// the element-wise `Widen` (a table load for e4m3, bit arithmetic for e5m2) kept the loops
+// scalar, and float8 KV decoded at 0.17-0.23x float32 KV (`benchmarks/results/
+// kv_memory.md`). Both float8 types are halves with fewer bits, so 16 elements become 16
+// halves by integer shifts and then floats by F16C's convert, exactly:
+//   e5m2: the high byte of a half, h = b << 8 (infinities and NaNs included);
+//   e4m3fn: h = sign << 15 | (b & 0x7f) << 7 is the value times 2^-8 (exponent bias 15
+//   against 7; subnormals too), so the floats are scaled by 256; 0x7f / 0xff are NaN.
+// Other element types return the row itself (float32) or widen in a plain loop (int8,
+// bfloat16), which the compiler vectorizes.
+template <typename T>
+inline const float* WidenRow(const T* row, int64_t n, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+#ifdef JAXINFER_DECODE_F16C
+    if constexpr (std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>) {
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+      int64_t h = 0;
+      for (; h + 16 <= n; h += 16) {
+        const __m256i wide = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + h)));  // 16 x u16
+        __m256i half;
+        if constexpr (std::is_same_v<T, E5M2>) {
+          half = _mm256_slli_epi16(wide, 8);
+        } else {
+          const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+          const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)), 7);
+          half = _mm256_or_si256(sign, magnitude);
+        }
+        __m256 low = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+        __m256 high = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+        if constexpr (std::is_same_v<T, E4M3>) {
+          const __m256 scale = _mm256_set1_ps(256.0f);
+          // NaN where the magnitude is 0x7f: the halves' 0x3f80 pattern (1.875 * 256 = 480).
+          const __m256i nan_bits = _mm256_cmpeq_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)),
+                                                      _mm256_set1_epi16(0x7f));
+          const __m256 nan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
+          const __m256 low_nan = _mm256_castsi256_ps(
+              _mm256_cvtepi16_epi32(_mm256_castsi256_si128(nan_bits)));
+          const __m256 high_nan = _mm256_castsi256_ps(
+              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(nan_bits, 1)));
+          low = _mm256_blendv_ps(_mm256_mul_ps(low, scale), nan, low_nan);
+          high = _mm256_blendv_ps(_mm256_mul_ps(high, scale), nan, high_nan);
+        }
+        _mm256_storeu_ps(buffer + h, low);
+        _mm256_storeu_ps(buffer + h + 8, high);
+      }
+      for (; h < n; ++h) buffer[h] = Widen(row[h]);
+      return buffer;
+    }
+#endif
+#pragma omp simd
+    for (int64_t h = 0; h < n; ++h) buffer[h] = Widen(row[h]);
+    return buffer;
+  }
+}
+
 template <typename T>
 void Walk(ffi::ThreadPool& pool, const T* pages, const float* scales, const int32_t* page_indices,
           const float* queries, const int32_t* context, const int32_t* position,
@@ -85,6 +149,9 @@ void Walk(ffi::ThreadPool& pool, const T* pages, const float* scales, const int3
   // rows of a page interleave every head's keys and values, so walking (sequence, head) pairs
   // separately would pull each row from memory K times.
   jaxinfer::ParallelFor(pool, num_seqs, num_threads, [&](int64_t q) {
+    // One widened key or value row (`WidenRow`), per thread running this task.
+    static thread_local std::vector<float> widened;
+    widened.resize(head_dim);
     const float* all_queries = queries + q * num_kv_heads * group * head_dim;  // [K, G, H]
     float* all_max = out_max + q * num_kv_heads * group;                     // [K, G]
     float* all_denominator = out_denominator + q * num_kv_heads * group;     // [K, G]
@@ -117,13 +184,14 @@ void Walk(ffi::ThreadPool& pool, const T* pages, const float* scales, const int3
       float block_max[kMaxGroup];
       for (int64_t g = 0; g < group; ++g) block_max[g] = negative_infinity;
       for (int64_t t = 0; t < count; ++t) {
-        const T* key = rows + t * row_stride + 2 * k * head_dim;
+        const float* key = WidenRow(rows + t * row_stride + 2 * k * head_dim, head_dim,
+                                    widened.data());
         const float key_scale = row_scales != nullptr ? row_scales[t * combined + 2 * k] : 1.0f;
         for (int64_t g = 0; g < group; ++g) {
           const float* query_row = query + g * head_dim;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t h = 0; h < head_dim; ++h) dot += query_row[h] * Widen(key[h]);
+          for (int64_t h = 0; h < head_dim; ++h) dot += query_row[h] * key[h];
           dot *= key_scale;
           if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
           scores[g * 64 + t] = dot;
@@ -149,14 +217,15 @@ void Walk(ffi::ThreadPool& pool, const T* pages, const float* scales, const int3
         m[g] = new_max;
       }
       for (int64_t t = 0; t < count; ++t) {
-        const T* value = rows + t * row_stride + (2 * k + 1) * head_dim;
+        const float* value = WidenRow(rows + t * row_stride + (2 * k + 1) * head_dim, head_dim,
+                                      widened.data());
         const float value_scale =
             row_scales != nullptr ? row_scales[t * combined + 2 * k + 1] : 1.0f;
         for (int64_t g = 0; g < group; ++g) {
           const float weight = probability[g * 64 + t] * value_scale;
           float* weighted = w + g * head_dim;
 #pragma omp simd
-          for (int64_t h = 0; h < head_dim; ++h) weighted[h] += weight * Widen(value[h]);
+          for (int64_t h = 0; h < head_dim; ++h) weighted[h] += weight * value[h];
         }
       }
       }

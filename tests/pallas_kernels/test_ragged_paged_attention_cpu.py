@@ -36,6 +36,8 @@ def test_the_kernel_builds_here_and_the_xla_path_calls_it():
 CASES = [(pool, window, soft_cap, 2, 4) for pool in ("float32", "bfloat16", "int8")
          for window, soft_cap in ((None, None), (6, None), (None, 5.0))]
 CASES += [("float32", None, None, 1, 8), ("int8", 6, None, 4, 16), ("float32", None, None, 8, 16)]
+# The float8 pools (rows widened 16 at a time by F16C, `WidenRow`), once each.
+CASES += [("float8_e4m3fn", None, None, 2, 4), ("float8_e5m2", 6, None, 2, 4)]
 
 
 @pytest.mark.parametrize(("pool", "window", "soft_cap", "group", "page_size"), CASES)
@@ -52,8 +54,8 @@ def test_kernel_equals_the_reference_and_the_xla_loop(pool, window, soft_cap, gr
                            head_dim=16, padded_tokens=3, padded_seqs=1)
     queries, kv_pages, *rest = inputs
     kv_scales = None
-    if pool == "int8":
-        kv_pages, kv_scales = quantize_kv_rows(kv_pages)
+    if pool in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        kv_pages, kv_scales = quantize_kv_rows(kv_pages, jnp.dtype(pool))
     elif pool == "bfloat16":
         kv_pages = kv_pages.astype(jnp.bfloat16)
 
@@ -94,3 +96,31 @@ def test_float32_pages_of_many_keys_and_wide_heads_take_the_vector_scores():
     reference = np.asarray(ragged_paged_attention(*inputs, sm_scale=0.125,
                                                   implementation="reference"))
     np.testing.assert_allclose(kernel, reference, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("pool", ["float8_e4m3fn", "float8_e5m2"])
+def test_every_float8_value_widens_exactly(pool):
+    # Every key and value row holds every finite byte of the dtype (NaN and infinity codes
+    # set to 0): the scores are all equal, so attention returns the value row, and the
+    # kernel's widened values must match the dtype's own conversion for all of them, through
+    # the 16-wide F16C path and (head_dim 264 = 16 * 16 + 8) the scalar tail.
+    head_dim = 264
+    codes = np.arange(head_dim) % 256
+    finite = np.isfinite(np.asarray(jax.lax.bitcast_convert_type(
+        jnp.asarray(codes, jnp.uint8), jnp.dtype(pool)).astype(jnp.float32)))
+    codes = np.where(finite, codes, 0).astype(np.uint8)
+    row = jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.dtype(pool))  # [H]
+    rng = np.random.default_rng(0)
+    inputs, _ = paged_case(rng, [1], [1], page_size=4, pages_per_seq=2, group=1,
+                           head_dim=head_dim, padded_tokens=0, padded_seqs=0)
+    queries, kv_pages, *rest = inputs
+    pool_pages = jnp.broadcast_to(row, kv_pages.shape)  # every key and value row = all codes
+    kv_scales = jnp.ones(kv_pages.shape[:-1], jnp.float32)
+
+    def attend(implementation: str) -> np.ndarray:
+        return np.asarray(ragged_paged_attention(
+            queries, pool_pages, *rest, sm_scale=0.25, kv_scales=kv_scales,
+            implementation=implementation))
+
+    # Equal up to the softmax weights' sum (1 within an ulp); a wrong code is off by far more.
+    np.testing.assert_allclose(attend("xla"), attend("reference"), rtol=1e-6, atol=0)
