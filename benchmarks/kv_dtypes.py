@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the numbers here")
     parser.add_argument("--out", default="benchmarks/results/kv_dtypes.md")
     args = parser.parse_args(argv)
-    command = "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv or sys.argv[1:])])
+    command = "python " + shlex.join([Path(sys.argv[0]).as_posix(), *(argv or sys.argv[1:])])
     results = measure(args)
     text = markdown(results, command)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
