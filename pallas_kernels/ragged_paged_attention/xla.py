@@ -146,8 +146,14 @@ def _pages(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
     last one, read from the residual pool instead."""
     if isinstance(kv_scales, kivi.KiviPool):
         return kivi.read_pages(kv_pages, kv_scales, layer, index, page_number, kv_lens, seats)
-    return dequantize_pages(kv_pages[layer, index],
-                            None if kv_scales is None else kv_scales[layer, index])
+    if jnp.issubdtype(kv_pages.dtype, jnp.floating) and kv_pages.dtype.itemsize == 1:
+        # Float8 pages are gathered as bytes: XLA:CPU has no float8 gather and widened the
+        # whole pool to float16 for it, every layer of every step.
+        as_bytes = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)  # [L, P, Z, 2K, H]
+        pages = jax.lax.bitcast_convert_type(as_bytes[layer, index], kv_pages.dtype)
+    else:
+        pages = kv_pages[layer, index]  # [..., Z, 2K, H]
+    return dequantize_pages(pages, None if kv_scales is None else kv_scales[layer, index])
 
 
 # Decode sequences per page walk: the walk of a group runs to its longest member's context,
