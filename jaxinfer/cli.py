@@ -341,6 +341,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
     from jaxinfer.quant.config import QuantizationConfig
     from jaxinfer.quant.methods import apply_method
 
+    if args.method != "rtn" and args.calib is None:  # before loading the model
+        raise CommandError(f"--method {args.method} calibrates on text: give --calib FILE")
     try:
         model = load_model(args.model)
         head = args.head
@@ -353,9 +355,6 @@ def _run_quantize(args: argparse.Namespace) -> int:
             gptq_damping=args.damping, gptq_act_order=not args.no_act_order)
         windows = None
         if args.method != "rtn":
-            if args.calib is None:
-                raise CommandError(f"--method {args.method} calibrates on text: give --calib "
-                                   "FILE")
             windows = _calibration_windows(args.model, args.calib, args.calib_window,
                                            args.calib_tokens)
         quantized = apply_method(model, config, windows)
