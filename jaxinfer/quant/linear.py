@@ -81,15 +81,17 @@ class QuantizedLinear(nnx.Module):
             to int8 per block of 32 features (llama.cpp's Q8 rule, faster on AVX2, not exact):
             None follows `$JAXINFER_CPU_INT8_ACTIVATIONS` (default "decode": products of at
             most 16 rows, see `pallas_kernels.quant_matmul.cpu.int8_activations_by_default`);
-            False keeps them float32 everywhere, as a tied LM head does (its argmax is where
-            an activation rounding shows first).
+            False keeps them float32 everywhere.
+        exact_top: With int8 activations, each row's `exact_top` largest outputs are
+            recomputed with float32 activations (an LM head's argmax is where an activation
+            rounding shows first; `pallas_kernels.quant_matmul.cpu.matmul`). 0: none.
     """
 
     def __init__(self, weight: QuantizedWeight, output_shape: Sequence[int], *,
                  logical_axes: tuple[str | None, str | None] = (None, None),
                  implementation: str = "auto",
                  input_permutation: jax.Array | None = None,
-                 int8_activations: bool | None = None) -> None:
+                 int8_activations: bool | None = None, exact_top: int = 0) -> None:
         if math.prod(output_shape) != weight.shape[1]:
             raise ValueError(f"output_shape {tuple(output_shape)} does not hold the "
                              f"{weight.shape[1]} output features of the quantized weight")
@@ -118,6 +120,7 @@ class QuantizedLinear(nnx.Module):
         self.logical_axes = (rows, columns)
         self.implementation = implementation
         self.int8_activations = int8_activations
+        self.exact_top = exact_top
 
     def _arrays(self) -> list[jax.Array | StackedLayer | None]:
         # get_value(), not [...]: a StackedLayer view cannot be indexed.
@@ -147,10 +150,11 @@ class QuantizedLinear(nnx.Module):
         if stacked:
             return cpu_quant_matmul.matmul(
                 x, self.format, stack, scales.stack, None if zeros is None else zeros.stack,
-                self.group_size, layer=values.layer,
-                int8_activations=self.int8_activations)  # [..., O]
+                self.group_size, layer=values.layer, int8_activations=self.int8_activations,
+                exact_top=self.exact_top)  # [..., O]
         return cpu_quant_matmul.matmul(x, self.format, values, scales, zeros, self.group_size,
-                                       int8_activations=self.int8_activations)  # [..., O]
+                                       int8_activations=self.int8_activations,
+                                       exact_top=self.exact_top)  # [..., O]
 
     def __call__(self, x: jax.Array, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
         """`[..., I]` activations to `[..., *output_shape]` (the `LinearParam` call).
@@ -392,19 +396,26 @@ def quantize_tied_head(model: Transformer, config: QuantizationConfig,
     attach_tied_head(model, weight, implementation)
 
 
+# Logits per row a tied head recomputes exactly after its int8-activation product (on
+# SmolLM2-135M the float argmax was always among the int8 product's top 3).
+TIED_HEAD_EXACT_TOP = 8
+
+
 def attach_tied_head(model: Transformer, weight: QuantizedWeight,
                      implementation: str = "auto") -> None:
     """Serves a tied model's LM head from `weight`, a quantized `[D, V]` copy of its table
     (the token lookup keeps the float table).
 
-    The head keeps float32 activations even where int8 ones are asked for (the CPU kernel's
-    opt-in): at the head alone they moved SmolLM2's greedy answer to "What is the capital of
-    France?" off "Paris".
+    The head takes int8 activations where the other layers do (the CPU kernel's decode
+    rows), with each row's `TIED_HEAD_EXACT_TOP` largest logits recomputed from float32
+    activations: int8 ones alone moved SmolLM2's greedy answer to "What is the capital of
+    France?" off "Paris", and the float path over the whole head was 16% of a GGUF decode
+    step.
     """
     vocab_size = model.config.vocab_size
     model.lm_head = nnx.data(QuantizedLinear(  # declared None (static) when tied
         weight, (vocab_size,), logical_axes=("embed", "vocab"),
-        implementation=implementation, int8_activations=False))
+        implementation=implementation, exact_top=TIED_HEAD_EXACT_TOP))
 
 
 def _round_to_nearest(site: LinearSite, scheme: WeightScheme) -> QuantizedWeight:

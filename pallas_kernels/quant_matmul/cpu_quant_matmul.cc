@@ -22,7 +22,8 @@
 // Work split: column tiles of 64 (one cache line of int8, two of int4 row pairs) shared over
 // `num_threads` tasks on XLA's pool (`cpu_parallel.h`). A tile walks its group's rows in
 // sub-blocks of 16 columns, each with R <= 4 rows of x in 2R accumulators; the group's lines
-// stay in L1 across the sub-blocks. Built with AVX2 + FMA (every x86 CPU of the last decade,
+// stay in L1 across the sub-blocks. int8 weights times int8 activations of one or two rows
+// stream four stored rows at a time instead (`StreamInt8Groups`). Built with AVX2 + FMA (every x86 CPU of the last decade,
 // AVX-512 ones included); elsewhere a scalar loop computes the same sums
 // (`JaxinferQuantMatmulVectorized` says which, and the Python side keeps XLA's path there).
 
@@ -296,6 +297,81 @@ inline void IntegerGroupBlock(const Problem& p, int64_t r0, int64_t g, int64_t c
   ApplyGroup<R, kInt4>(p, r0, g, c0, first, sums);
 }
 
+// --- int8 weights, int8 activations, wide matrices: four stored rows at a time -----------
+//
+// A group's 32-column register block reads all of the group's rows at once (32 streams of
+// an int8 group), more than the prefetchers follow: an LM head ([576, 49152]) read at
+// ~14 GB/s where the machine streams ~23. Here each thread reads one quad of rows (4
+// streams) across a chunk of kStreamColumns columns at a time, adding the quads' integer
+// sums into an int32 row of the chunk in L1, and scales them once per group: the head at
+// ~26 GB/s. Rows of x: one or two (the latency case; more would re-read the weight per pair,
+// where the register walk reads it once).
+constexpr int64_t kStreamColumns = 2048;
+constexpr int64_t kStreamRows = 2;
+
+template <int R>
+void StreamInt8Groups(const Problem& p, int64_t g0, int64_t g1) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t blocks_per_row = p.depth / kBlock;
+  alignas(32) int32_t acc[R][kStreamColumns];  // this group's integer sums, permuted lanes
+  for (int64_t n0 = 0; n0 < p.columns; n0 += kStreamColumns) {
+    const int64_t width = std::min(kStreamColumns, p.columns - n0);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t k0 = g * p.group;
+      for (int64_t k = k0; k < k0 + p.group; k += 4) {
+        const uint8_t* row = p.w + k * p.columns + n0;
+        __m256i xv[R];
+        for (int r = 0; r < R; ++r) {
+          int32_t packed;
+          std::memcpy(&packed, p.x_levels + r * p.depth + k, sizeof(packed));
+          xv[r] = _mm256_set1_epi32(packed);
+        }
+        const bool first = k == k0;
+        for (int64_t c = 0; c < width; c += kSub) {
+          if (k + 4 < k0 + p.group) {
+            for (int i = 0; i < 4; ++i) {
+              _mm_prefetch(reinterpret_cast<const char*>(row + (4 + i) * p.columns + c),
+                           _MM_HINT_T0);
+            }
+          }
+          __m256i quads[4];
+          Int8Quads(row + c, p.columns, quads);
+          __m256i magnitudes[4];
+          for (int j = 0; j < 4; ++j) magnitudes[j] = _mm256_abs_epi8(quads[j]);
+          for (int r = 0; r < R; ++r) {
+            __m256i* sums = reinterpret_cast<__m256i*>(acc[r] + c);
+            for (int j = 0; j < 4; ++j) {
+              const __m256i product = _mm256_madd_epi16(
+                  _mm256_maddubs_epi16(magnitudes[j], _mm256_sign_epi8(xv[r], quads[j])), ones);
+              sums[j] = first ? product : _mm256_add_epi32(sums[j], product);
+            }
+          }
+        }
+      }
+      // Integer sums to floats, once per group: out += s * dx * sum (column order restored).
+      const int64_t stored = k0 / p.scale_group;
+      const float* scale = p.scales + stored * p.columns + n0;
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(p.x_scales[r * blocks_per_row + k0 / kBlock]);
+        float* out = p.out + r * p.columns + n0;
+        for (int64_t c = 0; c < width; c += kSub) {
+          __m256 permuted[4], ordered[4];
+          for (int j = 0; j < 4; ++j) {
+            permuted[j] = _mm256_cvtepi32_ps(
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(acc[r] + c) + j));
+          }
+          Unpermute(permuted, ordered);
+          for (int v = 0; v < 4; ++v) {
+            const __m256 scaled = _mm256_mul_ps(dx, _mm256_loadu_ps(scale + c + 8 * v));
+            const __m256 total = g == g0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + c + 8 * v);
+            _mm256_storeu_ps(out + c + 8 * v, _mm256_fmadd_ps(scaled, ordered[v], total));
+          }
+        }
+      }
+    }
+  }
+}
+
 // Columns [first, end) in 32-column blocks over groups [g0, g1), group by group; p.out is
 // written at g0 and added to after. Each group's stored rows are read left to right across
 // the columns, a few parallel sequential streams the hardware prefetchers follow.
@@ -334,7 +410,12 @@ void RunSplitGroups(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads
   jaxinfer::ParallelFor(pool, threads, threads, [&](int64_t t) {
     Problem own = p;
     if (t > 0) own.out = partial_sums + (t - 1) * size;
-    VectorColumns<kInt4>(own, 0, p.columns, groups * t / threads, groups * (t + 1) / threads);
+    const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
+    if (!kInt4 && p.x_levels != nullptr && p.group == kBlock && p.rows <= kStreamRows) {
+      if (p.rows == 1) StreamInt8Groups<1>(own, g0, g1); else StreamInt8Groups<2>(own, g0, g1);
+      return;
+    }
+    VectorColumns<kInt4>(own, 0, p.columns, g0, g1);
   });
   for (int64_t t = 1; t < threads; ++t) {
     const float* partial = partial_sums + (t - 1) * size;

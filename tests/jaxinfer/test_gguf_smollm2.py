@@ -17,6 +17,7 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.llm import LLM
 from jaxinfer.quant import QuantizedLinear
 from jaxinfer.quant.gguf import gguf_weight_bytes
+from jaxinfer.quant.linear import TIED_HEAD_EXACT_TOP
 from jaxinfer.tokenizer import load_tokenizer
 
 CONVERSATIONS = [
@@ -61,7 +62,8 @@ def test_it_loads_with_quantized_projections(loaded):
     head = 49152 * 576 * 36 // 32
     assert gguf_weight_bytes(model) == projections * 24 // 32 + 4 * floats + head
     assert isinstance(model.lm_head, QuantizedLinear)
-    assert (model.lm_head.format, model.lm_head.int8_activations) == ("int8_grouped", False)
+    assert (model.lm_head.format, model.lm_head.int8_activations,
+            model.lm_head.exact_top) == ("int8_grouped", None, TIED_HEAD_EXACT_TOP)
 
 
 def test_greedy_generation_equals_transformers(loaded, smollm2_gguf):

@@ -28,8 +28,9 @@ pytestmark = [
 WEIGHTS = [("int4", dict(group_size=32)), ("int4", dict(group_size=32, symmetric=False)),
            ("int4", dict(group_size=64)), ("int8", {}), ("int8_grouped", dict(group_size=32))]
 # Rows: 1 (a decode step), a row pair plus one, many; columns: whole 32-column blocks (the
-# group-split walk) and a tail (the tile walk and its scalar columns, 200 = 6 x 32 + 8).
-SHAPES = [(1, 128, 64), (3, 256, 200), (8, 64, 96), (64, 192, 32)]
+# group-split walk) and a tail (the tile walk and its scalar columns, 200 = 6 x 32 + 8); two
+# rows over more than one 2048-column chunk (int8 weights' streaming walk, 2112 = 2048 + 64).
+SHAPES = [(1, 128, 64), (3, 256, 200), (8, 64, 96), (64, 192, 32), (2, 128, 2112)]
 
 
 def _case(weight_format, options, rows, depth, columns, seed=0):
@@ -70,6 +71,46 @@ def test_int8_activations_match_their_rule(weight_format, options, rows, depth, 
     assert _relative_error(got, rule) < 2e-6
     # The rule is not exact: int8 activations move the product by ~0.5%.
     assert 1e-4 < _relative_error(got, exact) < 3e-2
+
+
+@pytest.mark.parametrize("weight_format,options", [WEIGHTS[1], WEIGHTS[3], WEIGHTS[4]])
+@pytest.mark.parametrize("layer", [None, 1])
+def test_exact_top_recomputes_each_rows_largest_outputs_with_float_activations(
+        weight_format, options, layer):
+    rows, depth, columns, top = 3, 128, 256, 5
+    x, weight = _case(weight_format, options, rows, depth, columns, seed=2)
+    # An outlier feature per row: its block's other 31 features round to few int8 levels,
+    # as in an LM head's hidden state, so the int8 product misorders close outputs.
+    x = x.at[:, 7].mul(40.0)
+    stack = None if layer is None else jax.tree.map(
+        lambda a: None if a is None else jnp.stack([a * 0, a, a * 0]), weight)
+    source = weight if layer is None else stack
+
+    def product(exact_top):
+        return jax.jit(lambda a: cpu.matmul(
+            a, weight.format, source.values, source.scales, source.zeros, weight.group_size,
+            layer=layer, int8_activations=True, exact_top=exact_top))(x)
+
+    approximate, refined = np.asarray(product(0)), np.asarray(product(top))  # [M, N]
+    exact = np.asarray(get_format(weight_format).reference_matmul(x, weight, jnp.float32))
+    for row in range(rows):
+        chosen = np.argsort(-approximate[row])[:top]  # the int8 product's top columns
+        others = np.setdiff1d(np.arange(columns), chosen)
+        np.testing.assert_allclose(refined[row, chosen], exact[row, chosen], rtol=2e-6,
+                                   atol=2e-6 * np.abs(exact[row]).max())
+        np.testing.assert_array_equal(refined[row, others], approximate[row, others])
+    # The test can fail: the int8 product alone moves values by more than float rounding.
+    assert _relative_error(approximate, exact) > 1e-4
+    assert np.array_equal(refined.argmax(-1), exact.argmax(-1))
+
+
+def test_exact_top_leaves_float_activations_alone():
+    x, weight = _case("int8_grouped", dict(group_size=32), 2, 64, 96)
+    plain = _kernel(x, weight, False)
+    topped = jax.jit(lambda a, w: cpu.matmul(a, w.format, w.values, w.scales, w.zeros,
+                                             w.group_size, int8_activations=False,
+                                             exact_top=4))(x, weight)
+    np.testing.assert_array_equal(np.asarray(topped), np.asarray(plain))
 
 
 def test_float32_zero_points_of_gguf_q4_1_are_read_as_floats():
