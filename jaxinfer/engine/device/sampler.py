@@ -30,6 +30,8 @@ or the whole batch at once with `build_sampling_arrays`.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -446,6 +448,16 @@ def token_mask(rows: Sequence[Iterable[int]], vocab_size: int, what: str = "toke
     return token_counts(rows, vocab_size, what) > 0  # [B, V]
 
 
+@functools.lru_cache(maxsize=64)
+def _constant(shape: tuple[int, ...], dtype: type, fill: int) -> np.ndarray:
+    """A read-only array of `fill`, made once per shape: the `[B, V]` rows of a feature no
+    request of the step uses. Building, zeroing and counting them afresh took ~0.4 ms of a
+    ~11 ms batch-1 decode step of SmolLM2 (V = 49152) on a 2-vCPU EPYC."""
+    constant = np.full(shape, fill, dtype)
+    constant.setflags(write=False)
+    return constant
+
+
 def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: int, *,
                           prompt_token_ids: Sequence[Sequence[int]],
                           output_token_ids: Sequence[Sequence[int]],
@@ -490,11 +502,17 @@ def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: i
                                                    strict=True)]
     counted = [ids if c else () for ids, c in zip(outputs, counts_needed, strict=True)]
     suppress = [len(out) < p.min_tokens for p, out in zip(filled, outputs, strict=True)]
-    bitmask = unconstrained_bitmask(batch, vocab_size)  # [B, ceil(V / 32)]
-    if allowed is not None:
-        if allowed.shape[0] > batch or allowed.shape[1:] != bitmask.shape[1:]:
+    stops = [p.min_tokens_stop_ids(eos) if held else ()
+             for p, held in zip(filled, suppress, strict=True)]
+    biases = [p.logit_bias for p in filled]
+    words = -(-vocab_size // 32)
+    if allowed is None:
+        bitmask = _constant((batch, words), np.int32, -1)  # [B, ceil(V / 32)]
+    else:
+        if allowed.shape[0] > batch or allowed.shape[1:] != (words,):
             raise ValueError(f"allowed of shape {allowed.shape} for a batch of {batch} and "
-                             f"{bitmask.shape[1]} bitmask words")
+                             f"{words} bitmask words")
+        bitmask = unconstrained_bitmask(batch, vocab_size)  # [B, ceil(V / 32)]
         bitmask[:allowed.shape[0]] = allowed
     return SamplingArrays(
         temperature=np.array([p.temperature for p in filled], np.float32),  # [B]
@@ -504,12 +522,17 @@ def build_sampling_arrays(params: Sequence[SamplingParams | None], vocab_size: i
         presence=np.array([p.presence_penalty for p in filled], np.float32),  # [B]
         frequency=np.array([p.frequency_penalty for p in filled], np.float32),  # [B]
         repetition=np.array([p.repetition_penalty for p in filled], np.float32),  # [B]
-        logit_bias=dense_logit_bias([p.logit_bias for p in filled], vocab_size),  # [B, V]
-        prompt_mask=token_mask(prompts, vocab_size, "prompt_token_ids"),  # [B, V]
-        output_counts=token_counts(counted, vocab_size, "output_token_ids"),  # [B, V]
-        stop_mask=token_mask([p.min_tokens_stop_ids(eos) if held else ()
-                              for p, held in zip(filled, suppress, strict=True)],
-                             vocab_size, "stop_token_ids"),  # [B, V]
+        logit_bias=(dense_logit_bias(biases, vocab_size) if any(biases)
+                    else _constant((batch, vocab_size), np.float32, 0)),  # [B, V]
+        prompt_mask=(token_mask(prompts, vocab_size, "prompt_token_ids")
+                     if any(len(ids) for ids in prompts)
+                     else _constant((batch, vocab_size), np.bool_, 0)),  # [B, V]
+        output_counts=(token_counts(counted, vocab_size, "output_token_ids")
+                       if any(len(ids) for ids in counted)
+                       else _constant((batch, vocab_size), np.int32, 0)),  # [B, V]
+        stop_mask=(token_mask(stops, vocab_size, "stop_token_ids")
+                   if any(len(ids) for ids in stops)
+                   else _constant((batch, vocab_size), np.bool_, 0)),  # [B, V]
         suppress_stop=np.array(suppress, np.bool_),  # [B]
         allowed=bitmask,  # [B, ceil(V / 32)]
     )

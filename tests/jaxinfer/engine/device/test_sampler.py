@@ -352,6 +352,30 @@ def test_build_sampling_arrays_fills_rows_and_pads_neutral():
         assert built.dtype == reference.dtype and built.shape == reference.shape
 
 
+def test_vocabulary_rows_no_request_uses_are_shared_read_only_constants():
+    def build():
+        return build_sampling_arrays([SamplingParams(temperature=0.5, top_p=0.9), None], 6,
+                                     prompt_token_ids=[[0, 1], [2]],
+                                     output_token_ids=[[3], []], eos_token_ids=[5],
+                                     batch_size=4)
+
+    first, second = build(), build()
+    neutral = SamplingArrays.neutral(4, 6)
+    for name in ("logit_bias", "prompt_mask", "output_counts", "stop_mask", "allowed"):
+        built = getattr(first, name)
+        np.testing.assert_array_equal(built, getattr(neutral, name))
+        assert built.dtype == getattr(neutral, name).dtype
+        assert built is getattr(second, name) and not built.flags.writeable
+    # A feature one row uses gets fresh rows, the others stay neutral.
+    biased = build_sampling_arrays([SamplingParams(logit_bias={2: 1.5}), None], 6,
+                                   prompt_token_ids=[[0], [1]], output_token_ids=[[], []],
+                                   batch_size=4)
+    np.testing.assert_array_equal(biased.logit_bias[:, 2], [1.5, 0.0, 0.0, 0.0])
+    assert biased.logit_bias.flags.writeable
+    assert biased.logit_bias is not first.logit_bias
+    assert not first.logit_bias.any()
+
+
 def test_build_sampling_arrays_errors():
     with pytest.raises(ValueError, match="output_token_ids row 0: token id 6"):
         build_sampling_arrays([SamplingParams(frequency_penalty=0.5)], 6,
