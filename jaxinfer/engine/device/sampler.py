@@ -31,7 +31,6 @@ or the whole batch at once with `build_sampling_arrays`.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
