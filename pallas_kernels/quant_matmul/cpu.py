@@ -36,7 +36,6 @@ _TARGET = "QuantMatmul"
 # XLA's path dequantizes once and then multiplies at its large-product rate, so the kernel's
 # lead shrinks with rows; prefill buckets (128 rows and up) keep XLA's path.
 MAX_ROWS = 64
-# Formats the kernel multiplies: name -> whether the values are packed nibbles.
 FORMATS = {"int4": True, "int8": False, "int8_grouped": False}
 _switch = cpu_build.KernelSwitch()
 # Within `with disabled():` (while tracing), `supports` is False: XLA's path runs instead.
@@ -68,9 +67,15 @@ def supports(x: jax.Array, weight_format: str, values: jax.Array) -> bool:
 
 
 # Products of at most this many rows quantize their activations to int8 by default (the
-# "decode" setting): decode steps of up to 16 sequences, where the weight read is the whole
-# cost and the float path is bound by widening weights (`cpu_quant_matmul.cc`).
-DECODE_ROWS = 16
+# "decode" setting): decode steps of a few sequences, where the weight read is the whole
+# cost and the float register walk is bound by widening weights (`cpu_quant_matmul.cc`).
+DECODE_ROWS = 4
+# Rows from which float activations multiply a dequantized panel of the weight
+# (`RunPanels`: the weight decoded once, then a register-blocked float product) instead of
+# decoding it again for every pair of rows (the register walk). From 5-8 rows on the panel
+# ran as fast as int8 activations or faster, and it is exact where they round, so int8
+# activations stop at `DECODE_ROWS` (`benchmarks/kernels.py --quant-rows`).
+PANEL_ROWS = DECODE_ROWS + 1
 _INT8_ACTIVATIONS = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off",
                      "false": "off", "decode": "decode"}
 
@@ -198,7 +203,8 @@ def _call(x: jax.Array, values: jax.Array, scales: jax.Array, zeros: jax.Array |
     return call(x, values, scales, zero_points, layer, int4=FORMATS[weight_format],
                 has_zeros=zeros is not None, group_size=np.int64(group_size or x.shape[-1]),
                 int8_activations=int8_activations,
-                num_threads=np.int32(cpu_build.num_threads()))  # [M, O]
+                num_threads=np.int32(cpu_build.num_threads()),
+                panel_rows=np.int64(PANEL_ROWS))  # [M, O]
 
 
 def _layer_reference(x: jax.Array, values: jax.Array, scales: jax.Array,

@@ -372,6 +372,135 @@ void StreamInt8Groups(const Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
+// --- float activations, many rows: a dequantized panel under a register-blocked product ---
+//
+// The register walk decodes the weight again for every pair of rows of x: at 64 rows (a
+// decode step of 64 sequences) it spent its time widening bytes and ran at half XLA's
+// float32 rate. Here each task dequantizes a panel of kPanelColumns columns over the whole
+// depth, w = (q - z) * s exactly as the reference does, into a float buffer in L2 (at most
+// K x 16 floats: 96 KiB at K = 1536), once, and multiplies it into all M rows six at a time
+// with 6 x 16 outputs in 12 accumulators (the classic AVX2 sgemm tile): the weight is
+// decoded once per product and the FMAs run at the machine's float rate.
+constexpr int64_t kPanelColumns = 16;
+constexpr int64_t kPanelRowBlock = 6;
+
+// panel[k][0 .. 16) = dequantized w[k, c0 .. c0 + 16) for every k (packed rows as stored).
+template <bool kInt4>
+void DequantizePanel(const Problem& p, int64_t c0, float* panel) {
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x08));
+  for (int64_t k0 = 0; k0 < p.depth; k0 += p.scale_group) {
+    const int64_t stored = k0 / p.scale_group;
+    const float* scale = p.scales + stored * p.columns + c0;
+    const __m256 s[2] = {_mm256_loadu_ps(scale), _mm256_loadu_ps(scale + 8)};
+    __m256 z[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (p.zeros != nullptr) {
+      for (int v = 0; v < 2; ++v) z[v] = _mm256_loadu_ps(p.zeros + stored * p.columns + c0 + 8 * v);
+    } else if (p.zeros8 != nullptr) {
+      for (int v = 0; v < 2; ++v) {
+        z[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(p.zeros8 + stored * p.columns + c0 + 8 * v))));
+      }
+    }
+    // One stored row's 16 signed levels (bytes) to 16 floats (q - z) * s.
+    auto store = [&](__m128i levels, float* to) {
+      for (int v = 0; v < 2; ++v) {
+        const __m128i part = v == 0 ? levels : _mm_srli_si128(levels, 8);
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
+        _mm256_storeu_ps(to + 8 * v, _mm256_mul_ps(_mm256_sub_ps(q, z[v]), s[v]));
+      }
+    };
+    const int64_t k1 = k0 + p.scale_group;
+    if (kInt4) {
+      for (int64_t k = k0; k < k1; k += 2) {
+        const __m128i packed = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(p.w + (k / 2) * p.columns + c0));
+        // Nibbles are two's complement: (u ^ 8) - 8 sign-extends a 4-bit level.
+        const __m128i low = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(packed, low_mask), flip), flip);
+        const __m128i high = _mm_sub_epi8(
+            _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask), flip), flip);
+        store(low, panel + k * kPanelColumns);
+        store(high, panel + (k + 1) * kPanelColumns);
+      }
+    } else {
+      for (int64_t k = k0; k < k1; ++k) {
+        store(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.w + k * p.columns + c0)),
+              panel + k * kPanelColumns);
+      }
+    }
+  }
+}
+
+// out[r0 .. r0 + R, c0 .. c0 + 16) = x[r0 .. r0 + R, :] @ panel.
+// The 12 accumulators are named variables, not an array: with `__m256 acc[R][2]` GCC kept
+// the array in memory and stored all 12 back to the stack every step (27% of the core's FMA
+// rate), since the loop's float loads could alias its elements as far as it could tell.
+#define JAXINFER_PANEL_ROW(r, low, high)                                  \
+  if constexpr (R > r) {                                                  \
+    const __m256 a = _mm256_broadcast_ss(x + (r) * p.depth + k);          \
+    low = _mm256_fmadd_ps(a, b0, low);                                    \
+    high = _mm256_fmadd_ps(a, b1, high);                                  \
+  }
+#define JAXINFER_PANEL_STORE(r, low, high)                                \
+  if constexpr (R > r) {                                                  \
+    float* out = p.out + (r0 + (r)) * p.columns + c0;                     \
+    _mm256_storeu_ps(out, low);                                           \
+    _mm256_storeu_ps(out + 8, high);                                      \
+  }
+
+template <int R>
+inline void PanelRows(const Problem& p, const float* panel, int64_t r0, int64_t c0) {
+  static_assert(R >= 1 && R <= kPanelRowBlock);
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0,
+         h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
+  const float* x = p.x + r0 * p.depth;
+  for (int64_t k = 0; k < p.depth; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanelColumns);
+    const __m256 b1 = _mm256_loadu_ps(panel + k * kPanelColumns + 8);
+    JAXINFER_PANEL_ROW(0, l0, h0)
+    JAXINFER_PANEL_ROW(1, l1, h1)
+    JAXINFER_PANEL_ROW(2, l2, h2)
+    JAXINFER_PANEL_ROW(3, l3, h3)
+    JAXINFER_PANEL_ROW(4, l4, h4)
+    JAXINFER_PANEL_ROW(5, l5, h5)
+  }
+  JAXINFER_PANEL_STORE(0, l0, h0)
+  JAXINFER_PANEL_STORE(1, l1, h1)
+  JAXINFER_PANEL_STORE(2, l2, h2)
+  JAXINFER_PANEL_STORE(3, l3, h3)
+  JAXINFER_PANEL_STORE(4, l4, h4)
+  JAXINFER_PANEL_STORE(5, l5, h5)
+}
+#undef JAXINFER_PANEL_ROW
+#undef JAXINFER_PANEL_STORE
+
+// Every column in panels of 16 shared over the threads. Needs N a multiple of 16.
+template <bool kInt4>
+void RunPanels(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads) {
+  const int64_t panels = p.columns / kPanelColumns;
+  jaxinfer::ParallelFor(pool, panels, num_threads, [&](int64_t index) {
+    // Each worker's own buffer, kept across calls.
+    static thread_local std::vector<float> buffer;
+    if (buffer.size() < static_cast<size_t>(p.depth * kPanelColumns)) {
+      buffer.resize(p.depth * kPanelColumns);
+    }
+    const int64_t c0 = index * kPanelColumns;
+    DequantizePanel<kInt4>(p, c0, buffer.data());
+    int64_t r0 = 0;
+    for (; r0 + kPanelRowBlock <= p.rows; r0 += kPanelRowBlock) {
+      PanelRows<kPanelRowBlock>(p, buffer.data(), r0, c0);
+    }
+    switch (p.rows - r0) {
+      case 5: PanelRows<5>(p, buffer.data(), r0, c0); break;
+      case 4: PanelRows<4>(p, buffer.data(), r0, c0); break;
+      case 3: PanelRows<3>(p, buffer.data(), r0, c0); break;
+      case 2: PanelRows<2>(p, buffer.data(), r0, c0); break;
+      case 1: PanelRows<1>(p, buffer.data(), r0, c0); break;
+      default: break;
+    }
+  });
+}
+
 // Columns [first, end) in 32-column blocks over groups [g0, g1), group by group; p.out is
 // written at g0 and added to after. Each group's stored rows are read left to right across
 // the columns, a few parallel sequential streams the hardware prefetchers follow.
@@ -459,8 +588,12 @@ void ScalarColumns(const Problem& p, int64_t c0, int64_t c1) {
 }
 
 template <bool kInt4>
-void Run(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads) {
+void Run(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads, int64_t panel_rows) {
 #ifdef JAXINFER_QUANT_AVX2
+  if (p.x_levels == nullptr && p.rows >= panel_rows && p.columns % kPanelColumns == 0) {
+    RunPanels<kInt4>(pool, p, num_threads);
+    return;
+  }
   if (p.columns % kSub == 0) {
     RunSplitGroups<kInt4>(pool, p, num_threads);
     return;
@@ -590,7 +723,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zeros,
                            ffi::Buffer<ffi::S32> layer, bool int4, bool has_zeros,
                            int64_t group_size, bool int8_activations, int32_t num_threads,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           int64_t panel_rows, ffi::ResultBuffer<ffi::F32> out) {
   Problem p;
   // Scratch kept per calling thread across calls: a decode step makes ~200 of these calls,
   // and allocating per call showed in its profile.
@@ -602,9 +735,9 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (IntegerPath(p, int8_activations)) QuantizeActivations(&p, &x_levels, &x_scales, &sums);
   const int32_t threads = std::max<int32_t>(1, num_threads);
   if (int4) {
-    Run<true>(pool, p, threads);
+    Run<true>(pool, p, threads, panel_rows);
   } else {
-    Run<false>(pool, p, threads);
+    Run<false>(pool, p, threads, panel_rows);
   }
   return ffi::Error::Success();
 }
@@ -624,4 +757,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmul, QuantMatmulImpl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<bool>("int8_activations")
                                   .Attr<int32_t>("num_threads")
+                                  .Attr<int64_t>("panel_rows")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -30,7 +30,11 @@ WEIGHTS = [("int4", dict(group_size=32)), ("int4", dict(group_size=32, symmetric
 # Rows: 1 (a decode step), a row pair plus one, many; columns: whole 32-column blocks (the
 # group-split walk) and a tail (the tile walk and its scalar columns, 200 = 6 x 32 + 8); two
 # rows over more than one 2048-column chunk (int8 weights' streaming walk, 2112 = 2048 + 64).
-SHAPES = [(1, 128, 64), (3, 256, 200), (8, 64, 96), (64, 192, 32), (2, 128, 2112)]
+# From `cpu.PANEL_ROWS` rows, float activations take the dequantized panel (16-column
+# panels, rows six at a time): 13 = 2 x 6 + 1 rows over 48 columns (not whole 32-column
+# blocks), 64 rows, and 5 rows over 200 columns (not whole panels: the walks again).
+SHAPES = [(1, 128, 64), (3, 256, 200), (8, 64, 96), (64, 192, 32), (2, 128, 2112),
+          (13, 128, 48), (5, 128, 200)]
 
 
 def _case(weight_format, options, rows, depth, columns, seed=0):
