@@ -255,13 +255,17 @@ class ModelRunner:
         keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
             inputs.seeds, inputs.output_index)  # [Q]
 
-        def with_top(num_logprobs: int):
-            return lambda: sample_tokens(logits, keys, sampling, num_logprobs)
+        def with_top() -> tuple[jax.Array, ...]:
+            return sample_tokens(logits, keys, sampling, self.config.max_logprobs)
 
-        # The top-M pass over [Q, V] runs only in steps where some request wants logprobs.
+        def without() -> tuple[jax.Array, ...]:
+            return _without_top(sample_tokens(logits, keys, sampling, report_logprobs=False),
+                                self.config.max_logprobs)
+
+        # The log-softmax and top-M pass over [Q, V] run only in steps where some request
+        # wants logprobs (the chosen token's logprob is reported only to those).
         tokens, chosen, top_ids, top_values = jax.lax.cond(
-            jnp.any(inputs.want_logprobs), with_top(self.config.max_logprobs),
-            lambda: _without_top(with_top(0)(), self.config.max_logprobs))  # [Q], [Q, M]
+            jnp.any(inputs.want_logprobs), with_top, without)  # [Q], [Q], [Q, M], [Q, M]
         probabilities = None
         if self.config.return_probabilities:
             # Greedy drafts are verified by argmax alone, so an all-greedy batch skips the
@@ -697,8 +701,8 @@ def _wants_prompt_logprobs(sequence: ScheduledRequest) -> bool:
 
 
 def _without_top(sampled: tuple[jax.Array, ...], num_logprobs: int) -> tuple[jax.Array, ...]:
-    """`sample_tokens(..., 0)`'s result with zero-filled `[Q, M]` top-logprob arrays, so both
-    branches of the step's `lax.cond` have the same shapes."""
+    """`sample_tokens(..., report_logprobs=False)`'s result with zero-filled `[Q, M]`
+    top-logprob arrays, so both branches of the step's `lax.cond` have the same shapes."""
     tokens, chosen, _, _ = sampled
     rows = tokens.shape[0]
     return (tokens, chosen, jnp.zeros((rows, num_logprobs), jnp.int32),  # [Q], [Q], [Q, M]
