@@ -14,9 +14,9 @@ dot converts element by element and ran a bfloat16 model 20-25x slower than floa
 
 The source is built on first use by `pallas_kernels.cpu_build`. Its paths: AVX-512 (float32
 weights, up to `MAX_ROWS` rows) and AVX2 + FMA (bfloat16 weights everywhere, float32 ones
-without AVX-512, up to `AVX2_MAX_ROWS`). Where it cannot be built, or the CPU has neither,
-`available()` is False and XLA's dot runs. `JAXINFER_CPU_KERNELS=0` turns it off;
-`disabled()` does so while tracing.
+without AVX-512, up to `AVX2_MAX_ROWS`: a streaming walk, then float32 panels). Where it
+cannot be built, or the CPU has neither, `available()` is False and XLA's dot runs.
+`JAXINFER_CPU_KERNELS=0` turns it off; `disabled()` does so while tracing.
 """
 
 from __future__ import annotations
@@ -37,9 +37,15 @@ _TARGET = "DenseMatmulF32"
 # weight (a tied LM head, dotted row by row) it leads only up to ~32 rows.
 MAX_ROWS = 256
 MAX_ROWS_TRANSPOSED = 32
-# Rows up to which the AVX2 path runs: its streaming walk (decode steps of up to 16
-# sequences); longer products keep XLA's dot, after a bfloat16 layer is widened.
-AVX2_MAX_ROWS = 16
+# Rows up to which the AVX2 path runs: its streaming walk up to 16 rows, then float32 panels
+# of the weight under a 6 x 16 register tile (`cpu_panel.h`), 1.1-2.5x XLA's dot from 17 to
+# 128 rows of SmolLM2's [K, N] layers in float32 and bfloat16 (`benchmarks/
+# cpu_kernel_rows.py`). Longer products keep XLA's dot, after a bfloat16 layer is widened.
+AVX2_MAX_ROWS = 128
+# A float32 [N, K] weight (a tied LM head) is transposed into each panel, which ran at
+# 0.8-1.0x XLA's dot: past the streaming walk's 16 rows it keeps XLA's. A bfloat16 one takes
+# the panels (3-4x XLA's dot, which widens the whole table first).
+AVX2_MAX_ROWS_TRANSPOSED_FLOAT32 = 16
 # `JaxinferMatmulVectorized` of a library with both paths (1: AVX2 only).
 _AVX512_AND_AVX2 = 2
 # Weight dtypes the kernel reads.
@@ -69,6 +75,8 @@ def max_rows(weight_dtype: jnp.dtype, *, transposed: bool = False) -> int:
         return 0
     if level == _AVX512_AND_AVX2 and jnp.dtype(weight_dtype) == jnp.float32:
         return MAX_ROWS_TRANSPOSED if transposed else MAX_ROWS
+    if transposed and jnp.dtype(weight_dtype) == jnp.float32:
+        return AVX2_MAX_ROWS_TRANSPOSED_FLOAT32
     return AVX2_MAX_ROWS
 
 

@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_panel.h"
 #include "cpu_parallel.h"
 
 #include "xla/ffi/api/ffi.h"
@@ -500,6 +501,31 @@ void MatmulNKAvx2(ffi::ThreadPool& pool, const float* a, const W* w, float* out,
   });
 }
 
+// Products of more than kStreamRows rows: the weight's [K, 16] panels written out as float32
+// (bfloat16 widened, an [N, K] weight transposed on the way) under `cpu_panel.h`'s register
+// tile. XLA's dot ran such products at 40-60% of its large-product rate, and a bfloat16
+// layer had to be widened whole before it.
+template <typename W>
+void PanelKN(ffi::ThreadPool& pool, const float* a, const W* b, float* out, int64_t rows,
+             int64_t depth, int64_t columns, bool transposed, int32_t threads) {
+  jaxinfer::PanelProduct(pool, a, rows, depth, columns, out, threads,
+                         [&](int64_t c0, float* panel) {
+    using jaxinfer::kPanelColumns;
+    if (transposed) {  // b is [N, K]: panel column j is stored row c0 + j
+      for (int64_t j = 0; j < kPanelColumns; ++j) {
+        const W* row = b + (c0 + j) * depth;
+        for (int64_t k = 0; k < depth; ++k) panel[k * kPanelColumns + j] = ToFloat(row[k]);
+      }
+      return;
+    }
+    for (int64_t k = 0; k < depth; ++k) {
+      const W* row = b + k * columns + c0;
+#pragma omp simd
+      for (int64_t j = 0; j < kPanelColumns; ++j) panel[k * kPanelColumns + j] = ToFloat(row[j]);
+    }
+  });
+}
+
 #endif  // JAXINFER_MATMUL_AVX2
 
 // The fastest compiled walk for this weight dtype and product.
@@ -517,7 +543,9 @@ void Multiply(ffi::ThreadPool& pool, const float* a, const W* weight, float* out
   }
 #endif
 #ifdef JAXINFER_MATMUL_AVX2
-  if (transposed) {
+  if (rows > kStreamRows && columns % jaxinfer::kPanelColumns == 0) {
+    PanelKN(pool, a, weight, out, rows, depth, columns, transposed, threads);
+  } else if (transposed) {
     MatmulNKAvx2(pool, a, weight, out, rows, depth, columns, threads);
   } else if (rows <= kStreamRows) {
     MatmulKNAvx2(pool, a, weight, out, rows, depth, columns, threads);

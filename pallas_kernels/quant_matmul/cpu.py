@@ -74,7 +74,7 @@ DECODE_ROWS = 4
 # (`RunPanels`: the weight decoded once, then a register-blocked float product) instead of
 # decoding it again for every pair of rows (the register walk). From 5-8 rows on the panel
 # ran as fast as int8 activations or faster, and it is exact where they round, so int8
-# activations stop at `DECODE_ROWS` (`benchmarks/cpu_quant_rows.py`).
+# activations stop at `DECODE_ROWS` (`benchmarks/cpu_kernel_rows.py`).
 PANEL_ROWS = DECODE_ROWS + 1
 _INT8_ACTIVATIONS = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off",
                      "false": "off", "decode": "decode"}

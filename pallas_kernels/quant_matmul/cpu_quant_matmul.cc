@@ -33,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_panel.h"
 #include "cpu_parallel.h"
 
 #include "xla/ffi/api/ffi.h"
@@ -376,13 +377,10 @@ void StreamInt8Groups(const Problem& p, int64_t g0, int64_t g1) {
 //
 // The register walk decodes the weight again for every pair of rows of x: at 64 rows (a
 // decode step of 64 sequences) it spent its time widening bytes and ran at half XLA's
-// float32 rate. Here each task dequantizes a panel of kPanelColumns columns over the whole
-// depth, w = (q - z) * s exactly as the reference does, into a float buffer in L2 (at most
-// K x 16 floats: 96 KiB at K = 1536), once, and multiplies it into all M rows six at a time
-// with 6 x 16 outputs in 12 accumulators (the classic AVX2 sgemm tile): the weight is
-// decoded once per product and the FMAs run at the machine's float rate.
-constexpr int64_t kPanelColumns = 16;
-constexpr int64_t kPanelRowBlock = 6;
+// float32 rate. From `panel_rows` rows each task dequantizes a [K, 16] panel, w = (q - z) * s
+// exactly as the reference does, once, and `cpu_panel.h`'s register tile multiplies it into
+// every row.
+using jaxinfer::kPanelColumns;
 
 // panel[k][0 .. 16) = dequantized w[k, c0 .. c0 + 16) for every k (packed rows as stored).
 template <bool kInt4>
@@ -431,74 +429,11 @@ void DequantizePanel(const Problem& p, int64_t c0, float* panel) {
   }
 }
 
-// out[r0 .. r0 + R, c0 .. c0 + 16) = x[r0 .. r0 + R, :] @ panel.
-// The 12 accumulators are named variables, not an array: with `__m256 acc[R][2]` GCC kept
-// the array in memory and stored all 12 back to the stack every step (27% of the core's FMA
-// rate), since the loop's float loads could alias its elements as far as it could tell.
-#define JAXINFER_PANEL_ROW(r, low, high)                                  \
-  if constexpr (R > r) {                                                  \
-    const __m256 a = _mm256_broadcast_ss(x + (r) * p.depth + k);          \
-    low = _mm256_fmadd_ps(a, b0, low);                                    \
-    high = _mm256_fmadd_ps(a, b1, high);                                  \
-  }
-#define JAXINFER_PANEL_STORE(r, low, high)                                \
-  if constexpr (R > r) {                                                  \
-    float* out = p.out + (r0 + (r)) * p.columns + c0;                     \
-    _mm256_storeu_ps(out, low);                                           \
-    _mm256_storeu_ps(out + 8, high);                                      \
-  }
-
-template <int R>
-inline void PanelRows(const Problem& p, const float* panel, int64_t r0, int64_t c0) {
-  static_assert(R >= 1 && R <= kPanelRowBlock);
-  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0,
-         h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
-  const float* x = p.x + r0 * p.depth;
-  for (int64_t k = 0; k < p.depth; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanelColumns);
-    const __m256 b1 = _mm256_loadu_ps(panel + k * kPanelColumns + 8);
-    JAXINFER_PANEL_ROW(0, l0, h0)
-    JAXINFER_PANEL_ROW(1, l1, h1)
-    JAXINFER_PANEL_ROW(2, l2, h2)
-    JAXINFER_PANEL_ROW(3, l3, h3)
-    JAXINFER_PANEL_ROW(4, l4, h4)
-    JAXINFER_PANEL_ROW(5, l5, h5)
-  }
-  JAXINFER_PANEL_STORE(0, l0, h0)
-  JAXINFER_PANEL_STORE(1, l1, h1)
-  JAXINFER_PANEL_STORE(2, l2, h2)
-  JAXINFER_PANEL_STORE(3, l3, h3)
-  JAXINFER_PANEL_STORE(4, l4, h4)
-  JAXINFER_PANEL_STORE(5, l5, h5)
-}
-#undef JAXINFER_PANEL_ROW
-#undef JAXINFER_PANEL_STORE
-
 // Every column in panels of 16 shared over the threads. Needs N a multiple of 16.
 template <bool kInt4>
 void RunPanels(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads) {
-  const int64_t panels = p.columns / kPanelColumns;
-  jaxinfer::ParallelFor(pool, panels, num_threads, [&](int64_t index) {
-    // Each worker's own buffer, kept across calls.
-    static thread_local std::vector<float> buffer;
-    if (buffer.size() < static_cast<size_t>(p.depth * kPanelColumns)) {
-      buffer.resize(p.depth * kPanelColumns);
-    }
-    const int64_t c0 = index * kPanelColumns;
-    DequantizePanel<kInt4>(p, c0, buffer.data());
-    int64_t r0 = 0;
-    for (; r0 + kPanelRowBlock <= p.rows; r0 += kPanelRowBlock) {
-      PanelRows<kPanelRowBlock>(p, buffer.data(), r0, c0);
-    }
-    switch (p.rows - r0) {
-      case 5: PanelRows<5>(p, buffer.data(), r0, c0); break;
-      case 4: PanelRows<4>(p, buffer.data(), r0, c0); break;
-      case 3: PanelRows<3>(p, buffer.data(), r0, c0); break;
-      case 2: PanelRows<2>(p, buffer.data(), r0, c0); break;
-      case 1: PanelRows<1>(p, buffer.data(), r0, c0); break;
-      default: break;
-    }
-  });
+  jaxinfer::PanelProduct(pool, p.x, p.rows, p.depth, p.columns, p.out, num_threads,
+                         [&](int64_t c0, float* panel) { DequantizePanel<kInt4>(p, c0, panel); });
 }
 
 // Columns [first, end) in 32-column blocks over groups [g0, g1), group by group; p.out is

@@ -1,6 +1,6 @@
-"""The CPU quantized-matmul kernel's walks at decode row counts, against XLA's float32 dot.
+"""The CPU matmul kernels' walks at decode row counts, against XLA's float32 dot.
 
-    python benchmarks/cpu_quant_rows.py [--out benchmarks/results/kernels.md] [--repeats N]
+    python benchmarks/cpu_kernel_rows.py [--out benchmarks/results/kernels.md] [--repeats N]
 
 SmolLM2-135M's layer shapes (576 -> 1536, 1536 -> 576, 576 -> 192) read from a stack of 30
 layers as the engine's scan does, int8 per channel and int4 g32 with zero points, at 1 to 64
@@ -11,8 +11,11 @@ rows, in each of `pallas_kernels.quant_matmul.cpu`'s walks:
 - "int8 act": int8 activations, integer products;
 - and XLA's float32 dot of the float32 layer (what the float32 model runs).
 
-The defaults that `cpu.py` states (`DECODE_ROWS`, `PANEL_ROWS`) are read from this table.
-Its section of `--out` is replaced, the rest of the file kept.
+and the dense kernel (`pallas_kernels.dense_matmul.cpu`, float32 and bfloat16 weights, its
+[K, N] layers and the tied [N, K] LM head) against XLA's dot at 16 to 128 rows.
+
+The defaults that the two `cpu.py` files state (`DECODE_ROWS`, `PANEL_ROWS`, `AVX2_MAX_ROWS`)
+are read from these tables. Their section of `--out` is replaced, the rest of the file kept.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.compressed_decode import cpu_name, machine_peaks  # noqa: E402
 from benchmarks.results_file import replace_section  # noqa: E402
+from pallas_kernels.dense_matmul import cpu as dense_cpu  # noqa: E402
 from pallas_kernels.quant_matmul import cpu, quantize_weight  # noqa: E402
 
 LAYERS = 30
@@ -107,8 +111,58 @@ def measure(repeats: int) -> list[dict]:
     return results
 
 
+DENSE_SHAPES = [(576, 1536, False), (1536, 576, False), (576, 49152, True)]
+DENSE_ROWS = (16, 17, 32, 64, 128)
+
+
+def measure_dense(repeats: int) -> list[dict]:
+    """The dense kernel (called directly, whatever its routing says) against XLA's dot of
+    the same weight widened to float32, per (shape, dtype, rows)."""
+    rng = np.random.default_rng(1)
+    results = []
+    for depth, columns, transposed in DENSE_SHAPES:
+        layers = 1 if transposed else LAYERS
+        shape = (layers, columns, depth) if transposed else (layers, depth, columns)
+        floats = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        layer = 0 if transposed else 3
+        for dtype in (jnp.float32, jnp.bfloat16):
+            weights = jnp.asarray(floats, dtype)
+
+            def xla(x, w, layer=layer, transposed=transposed):
+                matrix = w[layer].astype(jnp.float32)
+                return x @ (matrix.T if transposed else matrix)
+
+            def kernel(x, w, layer=layer, transposed=transposed):
+                return dense_cpu.matmul(x, w, layer=layer, transposed=transposed)
+            for rows in DENSE_ROWS:
+                x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.float32)  # [M, K]
+                row = {"shape": f"{columns} x {depth} (tied head)" if transposed
+                       else f"{depth} x {columns}", "dtype": jnp.dtype(dtype).name,
+                       "rows": rows,
+                       "xla": _best_ms(jax.jit(xla), x, weights, repeats=repeats),
+                       "kernel": _best_ms(jax.jit(kernel), x, weights, repeats=repeats),
+                       "routed": rows <= dense_cpu.max_rows(dtype, transposed=transposed)}
+                results.append(row)
+                print(row, flush=True)
+    return results
+
+
+def dense_markdown(results: list[dict]) -> str:
+    lines = ["### The dense kernel past its streaming walk (float32 panels)", "",
+             "Rows above 16 take float32 panels of the weight under the same 6 x 16 tile "
+             "(`cpu_panel.h`; bfloat16 widened, a tied head transposed while packed). ms per "
+             "call; \"routed\": whether `dense_matmul` sends this product to the kernel.", "",
+             "| weight (K x N, or N x K) | dtype | rows | XLA dot | kernel | XLA / kernel | "
+             "routed |", "|---|---|---:|---:|---:|---:|---|"]
+    for row in results:
+        lines.append(f"| {row['shape']} | {row['dtype']} | {row['rows']} | {row['xla']:.3f} | "
+                     f"{row['kernel']:.3f} | {row['xla'] / row['kernel']:.2f}x | "
+                     f"{'yes' if row['routed'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results: list[dict], peaks: dict, command: str) -> str:
-    lines = ["## CPU quantized matmul: walks by row count (SmolLM2-135M layer shapes)", "",
+    lines = ["## CPU matmul kernels: walks by row count (SmolLM2-135M layer shapes)", "",
              f"Command: `{command}`. Machine: {cpu_name()}, "
              f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; peaks measured "
              f"before: {peaks['f32_gflops']:.0f} GFLOP/s float32 matmul, "
@@ -133,9 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     peaks = machine_peaks()
     results = measure(args.repeats)
-    command = "python benchmarks/cpu_quant_rows.py" + (f" --out {args.out}" if args.out
+    dense = measure_dense(args.repeats)
+    command = "python benchmarks/cpu_kernel_rows.py" + (f" --out {args.out}" if args.out
                                                       else "")
-    text = markdown(results, peaks, command)
+    text = markdown(results, peaks, command) + "\n" + dense_markdown(dense)
     print(text)
     if args.out:
         replace_section(args.out, "cpu-quant-rows", text)
