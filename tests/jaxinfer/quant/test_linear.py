@@ -158,7 +158,14 @@ def test_a_shape_that_does_not_fit_names_the_weight(model):
         quantize_model(model, config)
 
 
-def test_engine_greedy_equals_reference_generate_on_the_quantized_model(model):
+def test_engine_greedy_equals_reference_generate_on_the_quantized_model(model, monkeypatch):
+    # Float activations in every product: by default the CPU kernel rounds the activations
+    # of products of at most 4 rows to int8 (`pallas_kernels.quant_matmul.cpu.DECODE_ROWS`),
+    # so a request decoding alone in the engine (max_num_seqs = 4 leaves the fifth one
+    # alone at the end) would round where `generate`'s five-row batch does not. This test is
+    # about the engine's paging and scheduling over quantized weights.
+    monkeypatch.setenv("JAXINFER_CPU_INT8_ACTIVATIONS", "off")
+    jax.clear_caches()  # no trace made under the default setting is reused
     config = QuantizationConfig.for_method("rtn", bits=4, group_size=32, symmetric=False)
     quantized = quantize_model(model, config)
     rng = np.random.default_rng(0)
