@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -313,24 +314,116 @@ void VectorPage(const T* rows, const float* row_scales, int64_t count, int64_t r
 }
 #endif  // JAXINFER_DECODE_AVX2
 
+// Every KV head's update for one page of `count` visible rows, in plain loops (any head_dim;
+// the AVX2 build takes `VectorPage` where head_dim is a multiple of 8).
 template <typename T>
-void Walk(ffi::ThreadPool& pool, const T* pages, const float* scales, const int32_t* page_indices,
+void ScalarPage(const T* rows, const float* row_scales, int64_t count, int64_t row_stride,
+                int64_t combined, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                float soft_cap, const float* all_queries, float* all_max,
+                float* all_denominator, float* all_weighted) {
+  // One widened key or value row (`WidenRow`), per thread running this task.
+  static thread_local std::vector<float> widened;
+  widened.resize(head_dim);
+  const float negative_infinity = -std::numeric_limits<float>::infinity();
+  float scores[kMaxGroup * 64];  // [G, Z] one page of scores
+  for (int64_t k = 0; k < num_kv_heads; ++k) {
+    const float* query = all_queries + k * group * head_dim;  // [G, H]
+    float* m = all_max + k * group;                           // [G]
+    float* d = all_denominator + k * group;                   // [G]
+    float* w = all_weighted + k * group * head_dim;           // [G, H]
+    // Scores of this page's visible keys for every query head: each key is loaded once and
+    // dotted with the G queries while it is in registers.
+    float block_max[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) block_max[g] = negative_infinity;
+    for (int64_t t = 0; t < count; ++t) {
+      const float* key = WidenRow(rows + t * row_stride + 2 * k * head_dim, head_dim,
+                                  widened.data());
+      const float key_scale = row_scales != nullptr ? row_scales[t * combined + 2 * k] : 1.0f;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* query_row = query + g * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t h = 0; h < head_dim; ++h) dot += query_row[h] * key[h];
+        dot *= key_scale;
+        if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
+        scores[g * 64 + t] = dot;
+        block_max[g] = std::max(block_max[g], dot);
+      }
+    }
+    // One online-softmax update per page: rescale the running sums once, then add the
+    // page's probabilities and weighted values.
+    float probability[kMaxGroup * 64];
+    for (int64_t g = 0; g < group; ++g) {
+      const float new_max = std::max(m[g], block_max[g]);
+      const float rescale = std::exp(m[g] - new_max);  // exp(-inf) = 0 on the first page
+      float* weighted = w + g * head_dim;
+      d[g] *= rescale;
+#pragma omp simd
+      for (int64_t h = 0; h < head_dim; ++h) weighted[h] *= rescale;
+      float sum = 0.0f;
+      for (int64_t t = 0; t < count; ++t) {
+        probability[g * 64 + t] = std::exp(scores[g * 64 + t] - new_max);
+        sum += probability[g * 64 + t];
+      }
+      d[g] += sum;
+      m[g] = new_max;
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const float* value = WidenRow(rows + t * row_stride + (2 * k + 1) * head_dim, head_dim,
+                                    widened.data());
+      const float value_scale =
+          row_scales != nullptr ? row_scales[t * combined + 2 * k + 1] : 1.0f;
+      for (int64_t g = 0; g < group; ++g) {
+        const float weight = probability[g * 64 + t] * value_scale;
+        float* weighted = w + g * head_dim;
+#pragma omp simd
+        for (int64_t h = 0; h < head_dim; ++h) weighted[h] += weight * value[h];
+      }
+    }
+  }
+}
+
+// One page's update, by the fastest path this build has for the head size.
+template <typename T>
+void UpdatePage(const T* rows, const float* row_scales, int64_t count, int64_t row_stride,
+                int64_t combined, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                float soft_cap, const float* all_queries, float* all_max,
+                float* all_denominator, float* all_weighted) {
+#ifdef JAXINFER_DECODE_AVX2
+  if (head_dim % 8 == 0) {
+    VectorPage(rows, row_scales, count, row_stride, combined, num_kv_heads, group, head_dim,
+               soft_cap, all_queries, all_max, all_denominator, all_weighted);
+    return;
+  }
+#endif
+  ScalarPage(rows, row_scales, count, row_stride, combined, num_kv_heads, group, head_dim,
+             soft_cap, all_queries, all_max, all_denominator, all_weighted);
+}
+
+// Where a page's first visible row is: `rows` of the pool's element type (rows `row_stride`
+// apart, every head's key and value interleaved as in the pool) and their per-row scales
+// (`combined` apart) or null.
+template <typename T>
+struct PageRows {
+  const T* rows;
+  const float* scales;
+};
+
+// Reader: `PageRows<T> read(q, page_number, page, row0, count)`, the rows [row0, row0 + count)
+// of physical page `page`, the `page_number`-th of sequence q's table.
+template <typename T, typename Reader>
+void Walk(ffi::ThreadPool& pool, const Reader& read, const int32_t* page_indices,
           const float* queries, const int32_t* context, const int32_t* position,
           int64_t num_seqs, int64_t pages_per_seq, int64_t page_size, int64_t num_kv_heads,
           int64_t group, int64_t head_dim, int32_t window, float soft_cap, int32_t num_threads,
-          float* out_max,
-          float* out_denominator, float* out_weighted) {
+          float* out_max, float* out_denominator, float* out_weighted) {
   const int64_t combined = 2 * num_kv_heads;
-  const int64_t page_stride = page_size * combined * head_dim;
   const int64_t row_stride = combined * head_dim;
   const float negative_infinity = -std::numeric_limits<float>::infinity();
   // One task per sequence, and each page's K heads in turn while the page is in cache: the
   // rows of a page interleave every head's keys and values, so walking (sequence, head) pairs
   // separately would pull each row from memory K times.
   jaxinfer::ParallelFor(pool, num_seqs, num_threads, [&](int64_t q) {
-    // One widened key or value row (`WidenRow`), per thread running this task.
-    static thread_local std::vector<float> widened;
-    widened.resize(head_dim);
     const float* all_queries = queries + q * num_kv_heads * group * head_dim;  // [K, G, H]
     float* all_max = out_max + q * num_kv_heads * group;                     // [K, G]
     float* all_denominator = out_denominator + q * num_kv_heads * group;     // [K, G]
@@ -344,92 +437,213 @@ void Walk(ffi::ThreadPool& pool, const T* pages, const float* scales, const int3
     if (keys <= 0) return;
     // Keys at positions > position - window are visible (window counts the query itself).
     const int64_t first = std::max<int64_t>(0, static_cast<int64_t>(position[q]) - window + 1);
-    float scores[kMaxGroup * 64];  // [G, Z] one page of scores
     for (int64_t start = first - first % page_size; start < keys; start += page_size) {
-      const int64_t page = page_indices[q * pages_per_seq + start / page_size];
+      const int64_t page_number = start / page_size;
+      const int64_t page = page_indices[q * pages_per_seq + page_number];
       const int64_t begin = std::max(start, first);
       const int64_t end = std::min(start + page_size, keys);
       const int64_t count = end - begin;
       if (count <= 0) continue;  // a window that starts past the context: no visible key
-      const T* rows = pages + page * page_stride + (begin - start) * row_stride;
-      const float* row_scales =
-          scales != nullptr ? scales + (page * page_size + (begin - start)) * combined : nullptr;
-#ifdef JAXINFER_DECODE_AVX2
-      if (head_dim % 8 == 0) {
-        VectorPage(rows, row_scales, count, row_stride, combined, num_kv_heads, group,
-                   head_dim, soft_cap, all_queries, all_max, all_denominator, all_weighted);
-        continue;
-      }
-#endif
-      for (int64_t k = 0; k < num_kv_heads; ++k) {
-      const float* query = all_queries + k * group * head_dim;  // [G, H]
-      float* m = all_max + k * group;                           // [G]
-      float* d = all_denominator + k * group;                   // [G]
-      float* w = all_weighted + k * group * head_dim;           // [G, H]
-      // Scores of this page's visible keys for every query head: each key is loaded once and
-      // dotted with the G queries while it is in registers.
-      float block_max[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) block_max[g] = negative_infinity;
-      for (int64_t t = 0; t < count; ++t) {
-        const float* key = WidenRow(rows + t * row_stride + 2 * k * head_dim, head_dim,
-                                    widened.data());
-        const float key_scale = row_scales != nullptr ? row_scales[t * combined + 2 * k] : 1.0f;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* query_row = query + g * head_dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t h = 0; h < head_dim; ++h) dot += query_row[h] * key[h];
-          dot *= key_scale;
-          if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
-          scores[g * 64 + t] = dot;
-          block_max[g] = std::max(block_max[g], dot);
-        }
-      }
-      // One online-softmax update per page: rescale the running sums once, then add the
-      // page's probabilities and weighted values.
-      float probability[kMaxGroup * 64];
-      for (int64_t g = 0; g < group; ++g) {
-        const float new_max = std::max(m[g], block_max[g]);
-        const float rescale = std::exp(m[g] - new_max);  // exp(-inf) = 0 on the first page
-        float* weighted = w + g * head_dim;
-        d[g] *= rescale;
-#pragma omp simd
-        for (int64_t h = 0; h < head_dim; ++h) weighted[h] *= rescale;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < count; ++t) {
-          probability[g * 64 + t] = std::exp(scores[g * 64 + t] - new_max);
-          sum += probability[g * 64 + t];
-        }
-        d[g] += sum;
-        m[g] = new_max;
-      }
-      for (int64_t t = 0; t < count; ++t) {
-        const float* value = WidenRow(rows + t * row_stride + (2 * k + 1) * head_dim, head_dim,
-                                      widened.data());
-        const float value_scale =
-            row_scales != nullptr ? row_scales[t * combined + 2 * k + 1] : 1.0f;
-        for (int64_t g = 0; g < group; ++g) {
-          const float weight = probability[g * 64 + t] * value_scale;
-          float* weighted = w + g * head_dim;
-#pragma omp simd
-          for (int64_t h = 0; h < head_dim; ++h) weighted[h] += weight * value[h];
-        }
-      }
-      }
+      const PageRows<T> got = read(q, page_number, page, begin - start, count);
+      UpdatePage(got.rows, got.scales, count, row_stride, combined, num_kv_heads, group,
+                 head_dim, soft_cap, all_queries, all_max, all_denominator, all_weighted);
     }
   });
 }
 
-// Kind: the buffer's XLA type; Element: how its elements decode (the float8 pools come as U8,
-// since this jaxlib's FFI takes no float8 buffers, and are told apart by Element).
+// --- KIVI pages (`kivi.py`) --------------------------------------------------------------
+
+inline float HalfToFloat(uint16_t bits) {  // IEEE float16 -> float32, exactly
+#ifdef JAXINFER_DECODE_F16C
+  return _cvtsh_ss(bits);
+#else
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+  const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  } else if (exponent == 0x1f) {
+    magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN()
+                         : std::numeric_limits<float>::infinity();
+  } else {
+    magnitude = std::ldexp(1.0f + mantissa / 1024.0f, exponent - 15);
+  }
+  return sign ? -magnitude : magnitude;
+#endif
+}
+
+// A KIVI pool's arrays at one layer (shapes as in `kivi.py`, without the layer axis).
+struct KiviLayer {
+  const uint8_t* packed;         // [P, Z, 2K, H * bits / 8] codes, low bits first
+  const uint16_t* key_scales;    // [P, K, H] float16, per page and key channel
+  const uint16_t* key_zeros;     // [P, K, H]
+  const uint16_t* value_scales;  // [P, Z, K, H / g] float16, per row and value group
+  const uint16_t* value_zeros;   // [P, Z, K, H / g]
+  const float* residual;         // [R, Z, 2K, H] exact rows of each seat's partial page
+  int64_t page_size, num_kv_heads, head_dim, bits, value_group;
+};
+
+// The `head_dim` codes of one packed head row (element h in byte h / (8 / bits), low bits
+// first) as floats in `codes`.
+inline void UnpackCodes(const uint8_t* bytes, int64_t head_dim, int64_t bits, float* codes) {
+  int64_t h = 0;
+#ifdef JAXINFER_DECODE_AVX2
+  if (bits == 4) {  // 8 bytes -> 16 codes: low and high nibbles interleaved byte-wise
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    for (; h + 16 <= head_dim; h += 16) {
+      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + h / 2));
+      const __m128i low = _mm_and_si128(packed, nibble);
+      const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+      const __m128i ordered = _mm_unpacklo_epi8(low, high);  // c0 c1 ... c15
+      _mm256_storeu_ps(codes + h, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ordered)));
+      _mm256_storeu_ps(codes + h + 8,
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8))));
+    }
+  } else if (bits == 2) {  // 2 bytes -> 8 codes: each byte replicated 4x, shifted per code
+    const __m128i replicate = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    for (; h + 8 <= head_dim; h += 8) {
+      uint16_t word;
+      std::memcpy(&word, bytes + h / 4, sizeof(word));
+      const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(word), replicate);
+      const __m256i values = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_cvtepu8_epi32(spread), shifts), _mm256_set1_epi32(3));
+      _mm256_storeu_ps(codes + h, _mm256_cvtepi32_ps(values));
+    }
+  }
+#endif
+  const int64_t per_byte = 8 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  for (; h < head_dim; ++h) {
+    codes[h] = static_cast<float>((bytes[h / per_byte] >> ((h % per_byte) * bits)) & mask);
+  }
+}
+
+// Rows [row0, row0 + count) of a quantized page, dequantized to float32 [count, 2K, H] in
+// `out` as `kivi.dequantize` does: a key code c is c * scale + zero of its page and channel,
+// a value code c * scale + zero of its row and group of g channels (float16 scales, widened).
+void DequantizeKiviRows(const KiviLayer& kivi, int64_t page, int64_t row0, int64_t count,
+                        float* out) {
+  const int64_t num_kv_heads = kivi.num_kv_heads, head_dim = kivi.head_dim;
+  const int64_t row_bytes = head_dim * kivi.bits / 8, value_group = kivi.value_group;
+  const int64_t groups = head_dim / value_group;
+  static thread_local std::vector<float> key_scale, key_zero;
+  key_scale.resize(num_kv_heads * head_dim);
+  key_zero.resize(num_kv_heads * head_dim);
+  // Thread-local buffers are reached through a call in a shared library: once, here.
+  float* const page_scale = key_scale.data();
+  float* const page_zero = key_zero.data();
+  const uint16_t* page_key_scales = kivi.key_scales + page * num_kv_heads * head_dim;
+  const uint16_t* page_key_zeros = kivi.key_zeros + page * num_kv_heads * head_dim;
+  for (int64_t i = 0; i < num_kv_heads * head_dim; ++i) {
+    page_scale[i] = HalfToFloat(page_key_scales[i]);
+    page_zero[i] = HalfToFloat(page_key_zeros[i]);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t row = page * kivi.page_size + row0 + t;
+    const uint8_t* packed_row = kivi.packed + row * 2 * num_kv_heads * row_bytes;
+    const uint16_t* value_scales = kivi.value_scales + row * num_kv_heads * groups;
+    const uint16_t* value_zeros = kivi.value_zeros + row * num_kv_heads * groups;
+    for (int64_t k = 0; k < num_kv_heads; ++k) {
+      float* key = out + (t * 2 * num_kv_heads + 2 * k) * head_dim;  // [H]
+      float* value = key + head_dim;                                  // [H]
+      UnpackCodes(packed_row + 2 * k * row_bytes, head_dim, kivi.bits, key);
+      UnpackCodes(packed_row + (2 * k + 1) * row_bytes, head_dim, kivi.bits, value);
+      const float* scale = page_scale + k * head_dim;
+      const float* zero = page_zero + k * head_dim;
+#pragma omp simd
+      for (int64_t h = 0; h < head_dim; ++h) key[h] = key[h] * scale[h] + zero[h];
+      for (int64_t group = 0; group < groups; ++group) {
+        const float value_scale = HalfToFloat(value_scales[k * groups + group]);
+        const float value_zero = HalfToFloat(value_zeros[k * groups + group]);
+        float* chunk = value + group * value_group;
+#pragma omp simd
+        for (int64_t h = 0; h < value_group; ++h) chunk[h] = chunk[h] * value_scale + value_zero;
+      }
+    }
+  }
+}
+
+// Decode attention over a KIVI pool: quantized pages are dequantized a page at a time into a
+// float32 buffer the page update reads while it is in cache; a sequence's partial last page
+// (page number kv_len / Z, kv_len = position + 1) is its residual seat's exact rows.
+ffi::Error DecodeKiviImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::U8> pages,
+                          ffi::Buffer<ffi::F16> key_scales, ffi::Buffer<ffi::F16> key_zeros,
+                          ffi::Buffer<ffi::F16> value_scales, ffi::Buffer<ffi::F16> value_zeros,
+                          ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::S32> seats,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_indices,
+                          ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::S32> context,
+                          ffi::Buffer<ffi::S32> position, int32_t window, float soft_cap,
+                          int32_t num_threads, ffi::ResultBuffer<ffi::F32> out_max,
+                          ffi::ResultBuffer<ffi::F32> out_denominator,
+                          ffi::ResultBuffer<ffi::F32> out_weighted) {
+  auto pool = pages.dimensions();            // [L, P, Z, 2K, H * bits / 8]
+  auto exact = residual.dimensions();        // [L, R, Z, 2K, H]
+  auto value_shape = value_scales.dimensions();  // [L, P, Z, K, H / g]
+  auto query_shape = queries.dimensions();   // [Q, K, G, H]
+  if (pool.size() != 5 || exact.size() != 5 || value_shape.size() != 5 ||
+      query_shape.size() != 4) {
+    return ffi::Error::InvalidArgument("KIVI pool, residual, value scales or queries of the wrong rank");
+  }
+  const int64_t num_layers = pool[0], num_pages = pool[1], page_size = pool[2];
+  const int64_t num_seats = exact[1], head_dim = exact[4];
+  const int64_t num_seqs = query_shape[0], num_kv_heads = query_shape[1];
+  const int64_t group = query_shape[2];
+  if (page_size > 64) return ffi::Error::InvalidArgument("page size above 64");
+  if (group > kMaxGroup) return ffi::Error::InvalidArgument("more than 16 query heads per KV head");
+  if (pool[4] <= 0 || (8 * pool[4]) % head_dim != 0 || value_shape[4] <= 0 ||
+      head_dim % value_shape[4] != 0) {
+    return ffi::Error::InvalidArgument("packed rows or value groups do not fit head_dim");
+  }
+  const int64_t bits = 8 * pool[4] / head_dim;
+  if (bits != 1 && bits != 2 && bits != 4 && bits != 8) {
+    return ffi::Error::InvalidArgument("KIVI codes of 1, 2, 4 or 8 bits");
+  }
+  const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
+  const int64_t combined = 2 * num_kv_heads, row_stride = combined * head_dim;
+  const int64_t layer_keys = num_pages * num_kv_heads * head_dim;
+  const int64_t layer_values = num_pages * page_size * value_shape[3] * value_shape[4];
+  const KiviLayer kivi{
+      pages.typed_data() + index * num_pages * page_size * combined * pool[4],
+      key_scales.typed_data() + index * layer_keys, key_zeros.typed_data() + index * layer_keys,
+      value_scales.typed_data() + index * layer_values,
+      value_zeros.typed_data() + index * layer_values,
+      residual.typed_data() + index * num_seats * page_size * row_stride,
+      page_size, num_kv_heads, head_dim, bits, head_dim / value_shape[4]};
+  const int32_t* seat = seats.typed_data();
+  const int32_t* query_position = position.typed_data();
+  auto read = [&](int64_t q, int64_t page_number, int64_t page, int64_t row0, int64_t count) {
+    const int64_t kv_len = static_cast<int64_t>(query_position[q]) + 1;
+    if (page_number == kv_len / page_size) {
+      const int64_t chosen = std::clamp<int64_t>(seat[q], 0, num_seats - 1);
+      return PageRows<float>{kivi.residual + (chosen * page_size + row0) * row_stride, nullptr};
+    }
+    static thread_local std::vector<float> rows;  // [count, 2K, H], per thread
+    rows.resize(count * row_stride);
+    DequantizeKiviRows(kivi, page, row0, count, rows.data());
+    return PageRows<float>{rows.data(), nullptr};
+  };
+  Walk<float>(threads, read, page_indices.typed_data(), queries.typed_data(),
+              context.typed_data(), query_position, num_seqs, page_indices.dimensions()[1],
+              page_size, num_kv_heads, group, head_dim, window, soft_cap,
+              std::max<int32_t>(1, num_threads), out_max->typed_data(),
+              out_denominator->typed_data(), out_weighted->typed_data());
+  return ffi::Error::Success();
+}
+
+// Kind: the pool's XLA type; Element: how its elements decode. The pool comes as an AnyBuffer,
+// read through `untyped_data`: this FFI maps no C++ type to its float8 kinds, and taking the
+// float8 pool as itself (not a uint8 bitcast of it, which XLA:CPU materializes) is what keeps
+// XLA from copying the whole pool every call.
 template <ffi::DataType Kind, typename Element>
-ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buffer<ffi::F32> scales,
+ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::AnyBuffer pages, ffi::Buffer<ffi::F32> scales,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_indices,
                       ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::S32> context,
                       ffi::Buffer<ffi::S32> position, int32_t window, float soft_cap,
                       bool quantized, int32_t num_threads, ffi::ResultBuffer<ffi::F32> out_max,
                       ffi::ResultBuffer<ffi::F32> out_denominator,
                       ffi::ResultBuffer<ffi::F32> out_weighted) {
+  if (pages.element_type() != Kind) return ffi::Error::InvalidArgument("pages of another dtype");
   auto pool = pages.dimensions();  // [L, P, Z, 2K, H]
   auto query_shape = queries.dimensions();  // [Q, K, G, H]
   if (pool.size() != 5 || query_shape.size() != 4) {
@@ -441,16 +655,23 @@ ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buf
   if (page_size > 64) return ffi::Error::InvalidArgument("page size above 64");
   if (group > kMaxGroup) return ffi::Error::InvalidArgument("more than 16 query heads per KV head");
   const int64_t index = layer.typed_data()[0];
-  const Element* base = reinterpret_cast<const Element*>(pages.typed_data()) +
+  const Element* base = static_cast<const Element*>(pages.untyped_data()) +
                         index * num_pages * page_size * 2 * num_kv_heads * head_dim;
   const float* scale_base =
       quantized ? scales.typed_data() + index * num_pages * page_size * 2 * num_kv_heads
                 : nullptr;
-  Walk<Element>(threads, base, scale_base, page_indices.typed_data(), queries.typed_data(),
+  const int64_t combined = 2 * num_kv_heads;
+  const int64_t row_stride = combined * head_dim, page_stride = page_size * row_stride;
+  auto read = [&](int64_t, int64_t, int64_t page, int64_t row0, int64_t) {
+    return PageRows<Element>{
+        base + page * page_stride + row0 * row_stride,
+        scale_base != nullptr ? scale_base + (page * page_size + row0) * combined : nullptr};
+  };
+  Walk<Element>(threads, read, page_indices.typed_data(), queries.typed_data(),
                 context.typed_data(), position.typed_data(), num_seqs,
                 page_indices.dimensions()[1], page_size, num_kv_heads, group, head_dim, window,
-                soft_cap, std::max<int32_t>(1, num_threads), out_max->typed_data(), out_denominator->typed_data(),
-                out_weighted->typed_data());
+                soft_cap, std::max<int32_t>(1, num_threads), out_max->typed_data(),
+                out_denominator->typed_data(), out_weighted->typed_data());
   return ffi::Error::Success();
 }
 
@@ -458,7 +679,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buf
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (DecodeImpl<kind, element>),    \
                                 ffi::Ffi::Bind()                      \
                                     .Ctx<ffi::ThreadPool>()           \
-                                    .Arg<ffi::Buffer<kind>>()         \
+                                    .Arg<ffi::AnyBuffer>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()     \
                                     .Arg<ffi::Buffer<ffi::S32>>()     \
                                     .Arg<ffi::Buffer<ffi::S32>>()     \
@@ -475,8 +696,29 @@ ffi::Error DecodeImpl(ffi::ThreadPool threads, ffi::Buffer<Kind> pages, ffi::Buf
 
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionKivi, DecodeKiviImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("window")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("num_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 DEFINE_DECODE(DecodeAttentionF32, ffi::DataType::F32, float)
 DEFINE_DECODE(DecodeAttentionBF16, ffi::DataType::BF16, uint16_t)
 DEFINE_DECODE(DecodeAttentionS8, ffi::DataType::S8, int8_t)
-DEFINE_DECODE(DecodeAttentionF8E4M3, ffi::DataType::U8, E4M3)
-DEFINE_DECODE(DecodeAttentionF8E5M2, ffi::DataType::U8, E5M2)
+DEFINE_DECODE(DecodeAttentionF8E4M3, ffi::DataType::F8E4M3FN, E4M3)
+DEFINE_DECODE(DecodeAttentionF8E5M2, ffi::DataType::F8E5M2, E5M2)

@@ -33,6 +33,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import cpu_rows
+
 
 class KiviPool(NamedTuple):
     """The arrays beside a KIVI pool's packed pages (one pytree: it is carried and donated
@@ -219,7 +221,20 @@ def write_to_kivi_pages(kv_pages: jax.Array, pool: KiviPool, keys: jax.Array,
     offsets = jnp.arange(page_size, dtype=jnp.int32) - (page_size - 1)  # [Z]
     from_step = (position[done][:, None] + offsets) >= context[done][:, None]  # [M, Z]
     step_rows = rows[jnp.clip(done[:, None] + offsets, 0, num_tokens - 1)]  # [M, Z, 2K, H]
-    earlier = pool.residual[layer, seat[done]]  # [M, Z, 2K, H]
+    # Rows of each sequence's partial last page go to its residual seat (step 2), after the
+    # reads above: a sequence that completes a page and starts the next reuses the seat.
+    in_partial = real & (position // page_size == kv_len // page_size)  # [T]
+    num_seats = pool.residual.shape[1]
+    target = jnp.where(in_partial, seat * page_size + position % page_size,
+                       num_seats * page_size)  # [T] rows of the seats' R*Z; R*Z drops
+    written = None
+    if cpu_rows.supports(pool.residual):
+        # One call reads, then writes in place: XLA could not order a read of the residual
+        # before its in-place write, and copied the whole residual twice a layer.
+        earlier, written = cpu_rows.read_then_write_rows(pool.residual, layer, seat[done], rows,
+                                                         target, read_row_rank=3)
+    else:
+        earlier = pool.residual[layer, seat[done]]  # [M, Z, 2K, H]
     page_rows = jnp.where(from_step[..., None, None], step_rows, earlier)  # [M, Z, 2K, H]
     packed, key_scales, key_zeros, value_scales, value_zeros = quantize_pages(
         page_rows, bits_of(kv_pages, pool), pool.value_group)
@@ -231,16 +246,12 @@ def write_to_kivi_pages(kv_pages: jax.Array, pool: KiviPool, keys: jax.Array,
         value_scales=pool.value_scales.at[layer, page_ids].set(value_scales, mode="drop"),
         value_zeros=pool.value_zeros.at[layer, page_ids].set(value_zeros, mode="drop"))
 
-    # 2. Rows of each sequence's partial last page go to its residual seat (after 1 read the
-    # seat: a sequence that completes a page and starts the next reuses the seat's rows).
-    in_partial = real & (position // page_size == kv_len // page_size)  # [T]
-    num_seats = pool.residual.shape[1]
-    flat_residual = pool.residual.reshape(pool.residual.shape[0], num_seats * page_size,
-                                          *pool.residual.shape[3:])  # [L, R*Z, 2K, H]
-    target = jnp.where(in_partial, seat * page_size + position % page_size,
-                       num_seats * page_size)  # [T]; R*Z drops
-    flat_residual = flat_residual.at[layer, target].set(rows, mode="drop")
-    return kv_pages, pool._replace(residual=flat_residual.reshape(pool.residual.shape))
+    # 2. The residual's rows (already written on XLA:CPU). Indexed (seat, row) in the
+    # residual's own shape: XLA copied the whole residual to scatter into a reshape of it.
+    if written is None:
+        written = pool.residual.at[layer, target // page_size, target % page_size].set(
+            rows, mode="drop")
+    return kv_pages, pool._replace(residual=written)
 
 
 # ---------------------------------------------------------------- reads

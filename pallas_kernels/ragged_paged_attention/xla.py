@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import cpu, kivi
+from pallas_kernels.ragged_paged_attention import cpu, cpu_rows, kivi
 from pallas_kernels.ragged_paged_attention.reference import as_stacked, dequantize_pages
 
 # Per query row (a token, or a decode sequence): running max [rows, K, G], denominator
@@ -146,9 +146,14 @@ def _pages(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
     last one, read from the residual pool instead."""
     if isinstance(kv_scales, kivi.KiviPool):
         return kivi.read_pages(kv_pages, kv_scales, layer, index, page_number, kv_lens, seats)
-    if jnp.issubdtype(kv_pages.dtype, jnp.floating) and kv_pages.dtype.itemsize == 1:
-        # Float8 pages are gathered as bytes: XLA:CPU has no float8 gather and widened the
-        # whole pool to float16 for it, every layer of every step.
+    is_float8 = jnp.issubdtype(kv_pages.dtype, jnp.floating) and kv_pages.dtype.itemsize == 1
+    if is_float8 and cpu_rows.supports(kv_pages):
+        # XLA:CPU has no float8 gather, and each way round it in XLA copies the whole pool:
+        # the C++ handler copies out just these pages.
+        pages = cpu_rows.read_rows(kv_pages, layer, index)  # [..., Z, 2K, H]
+    elif is_float8:
+        # Elsewhere float8 pages are gathered as bytes (XLA widened the whole pool to float16
+        # for a float8 gather).
         as_bytes = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)  # [L, P, Z, 2K, H]
         pages = jax.lax.bitcast_convert_type(as_bytes[layer, index], kv_pages.dtype)
     else:
@@ -192,11 +197,12 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviP
     page_size = kv_pages.shape[2]
     _, num_kv_heads, group, head_dim = decode_queries.shape
     is_kivi = isinstance(kv_scales, kivi.KiviPool)
-    if not is_kivi and cpu.supports(kv_pages, group):
-        # XLA:CPU: the C++ walk reads each key once, at ~4x this loop's speed.
+    if cpu.supports(kv_pages, group, kivi_pool=is_kivi):
+        # XLA:CPU: the C++ walk reads each key once, at ~4x this loop's speed (a KIVI page
+        # dequantized once per page, in cache, where this loop ran ~25 ops per page).
         return cpu.decode_context_stats(kv_pages, kv_scales, layer, page_indices,
                                         decode_queries, decode_context, decode_position,
-                                        window, soft_cap)
+                                        window, soft_cap, residual_slots)
     group_size = min(DECODE_SEQUENCE_GROUP, max_seqs)
     num_groups = -(-max_seqs // group_size)
     order = jnp.argsort(-decode_context, stable=True).astype(jnp.int32)  # [Q] longest first

@@ -4,11 +4,17 @@ dequantize-then-attend on the same pool."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import (
+    cpu,
+    cpu_rows,
     create_kivi_pool,
     dequantize_pool,
     ragged_paged_attention,
@@ -79,10 +85,18 @@ def _sequences(rng, lengths, pages_per_seq):
     return num_pages, table, keys, values
 
 
+@pytest.mark.parametrize("row_handlers", [True, False])
 @pytest.mark.parametrize("bits", [4, 2])
-def test_writes_do_not_depend_on_the_chunking(bits):
+def test_writes_do_not_depend_on_the_chunking(bits, row_handlers):
     # The same tokens written in one step or in steps of 1-5 tokens give the same pool: a page
-    # is quantized once, when it fills, from its residual rows and the step's rows.
+    # is quantized once, when it fills, from its residual rows and the step's rows. On XLA:CPU
+    # the residual is read and written by `cpu_rows`' handlers (a chunk that completes a page
+    # and starts the next reads the seat before overwriting it); without them, by XLA's ops.
+    with contextlib.nullcontext() if row_handlers else cpu_rows.disabled():
+        _check_chunking(bits)
+
+
+def _check_chunking(bits):
     rng = np.random.default_rng(0)
     lengths = [11, 8, 3]
     num_pages, table, keys, values = _sequences(rng, lengths, pages_per_seq=4)
@@ -130,14 +144,14 @@ def _float_pool(rng, query_lens, context_lens, pages_per_seq):
     return pool
 
 
-def _kivi_case(rng, bits, query_lens, context_lens, pages_per_seq):
+def _kivi_case(rng, bits, query_lens, context_lens, pages_per_seq, value_group=8):
     """A KIVI pool written step by step (the context, then this step's tokens), and the
     attention inputs of the last step."""
     lengths = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
     num_pages, table, keys, values = _sequences(rng, lengths, pages_per_seq)
     seats = list(rng.permutation(len(lengths) + 1)[:len(lengths)])
     pages, pool = create_kivi_pool(2, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, bits,
-                                   8, len(lengths) + 1)
+                                   value_group, len(lengths) + 1)
     pages, pool = _write(pages, pool, keys, values, table, [0] * len(lengths), context_lens,
                          seats)
     pages, pool = _write(pages, pool, keys, values, table, context_lens, query_lens, seats)
@@ -189,3 +203,32 @@ def test_kivi_attention_is_close_to_float_attention(bits, tolerance):
     exact, approximate = np.asarray(exact), np.asarray(approximate)
     relative = np.abs(approximate - exact).max() / np.abs(exact).max()
     assert 0 < relative < tolerance, relative
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's kernel")
+@pytest.mark.parametrize(("bits", "head_dim", "value_group"),
+                         [(4, 16, 8), (2, 16, 8), (4, 40, 4), (2, 12, 4)])
+def test_the_cpu_kernel_equals_the_xla_loop(bits, head_dim, value_group, monkeypatch):
+    # The C++ decode walk dequantizes each page (16 codes at a time for int4 and 8 for int2,
+    # then a scalar tail: head_dim 40 and 12) and reads a partial last page from the residual.
+    monkeypatch.setattr(sys.modules[__name__], "HEAD_DIM", head_dim)
+    rng = np.random.default_rng(bits + head_dim)
+    query_lens, context_lens = [1, 1, 1, 3, 1], [3, 8, 13, 6, 0]
+    queries, pages, pool, batch, seats = _kivi_case(rng, bits, query_lens, context_lens, 5,
+                                                    value_group)
+    kv_lens, table, cu, num_seqs = batch
+
+    def attend(window, soft_cap):
+        return jax.jit(lambda *args: ragged_paged_attention(
+            *args, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap, layer=1,
+            kv_scales=pool, residual_slots=seats, implementation="xla"))(
+            queries, pages, kv_lens, table, cu, num_seqs)
+
+    assert "jaxinfer_DecodeAttentionKivi" in jax.jit(lambda q: ragged_paged_attention(
+        q, pages, kv_lens, table, cu, num_seqs, sm_scale=0.3, layer=1, kv_scales=pool,
+        residual_slots=seats, implementation="xla")).lower(queries).as_text()
+    for window, soft_cap in ((None, None), (5, None), (None, 4.0)):
+        kernel = np.asarray(attend(window, soft_cap))
+        with cpu.disabled():
+            loop = np.asarray(attend(window, soft_cap))
+        np.testing.assert_allclose(kernel, loop, atol=2e-5, rtol=2e-5)
