@@ -150,8 +150,9 @@ def decode_tokens_per_second(model: Transformer, kv_cache_dtypes: Sequence[str],
                              prefix="kv-decode")
     engines = {}
     for name in kv_cache_dtypes:
+        # Prefill chunks of up to a prompt (the decode steps' bucket is the batch's either way).
         options = dict(max_num_seqs=batch_size, min_token_bucket=1,
-                       max_num_batched_tokens=max(batch_size, 32), bucket_growth=8,
+                       max_num_batched_tokens=max(batch_size, 32, input_len), bucket_growth=8,
                        kv_cache_dtype=None if name == "float32" else name)
         engine = build_engine(model, options, input_len + output_len)
         engine.warm_up()
@@ -225,10 +226,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.decode:
         decode = decode_tokens_per_second(
             model, [name for name in args.decode_dtypes.split(",") if name],
-            batch_size=args.decode_batch)
+            batch_size=args.decode_batch, input_len=args.decode_input_len)
         print(json.dumps({"decode": decode}), flush=True)
     return {"rows": [dataclasses.asdict(row) for row in rows], "streamed": streamed,
-            "decode": decode, "decode_batch": args.decode_batch, "contexts": contexts,
+            "decode": decode, "decode_batch": args.decode_batch,
+            "decode_input_len": args.decode_input_len, "contexts": contexts,
             "pool_mib": args.pool_mib,
             "stream": [args.stream_windows, args.stream_context, prefix],
             "machine": machine_info()}
@@ -286,7 +288,8 @@ def markdown(results: dict[str, Any], command: str) -> str:
     if results["decode"]:
         decode = results["decode"]
         base = decode.get("float32", {}).get("tokens_per_s")
-        lines += ["", f"## Decode tok/s (batch {results['decode_batch']}, 32-token prompts, "
+        lines += ["", f"## Decode tok/s (batch {results['decode_batch']}, "
+                  f"{results.get('decode_input_len', 32)}-token prompts, "
                   "greedy; the dtypes' engines timed in turns of 8 steps, 6 rounds)", "",
                   "| KV dtype | tok/s (fastest turn) | / fp32 | tok/s (median turn) | / fp32 |",
                   "| --- | ---: | ---: | ---: | ---: |"]
@@ -318,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-pages", default="8,16,32,64")
     parser.add_argument("--decode", action="store_true", help="also time decode (quiet machine)")
     parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-input-len", type=int, default=32,
+                        help="prompt tokens of each --decode request")
     parser.add_argument("--decode-dtypes", default=",".join(DTYPES),
                         help="KV dtypes timed by --decode (float32 first: the ratios' base)")
     parser.add_argument("--json", help="also write the numbers here")

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_half.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -453,24 +454,7 @@ void Walk(ffi::ThreadPool& pool, const Reader& read, const int32_t* page_indices
 
 // --- KIVI pages (`kivi.py`) --------------------------------------------------------------
 
-inline float HalfToFloat(uint16_t bits) {  // IEEE float16 -> float32, exactly
-#ifdef JAXINFER_DECODE_F16C
-  return _cvtsh_ss(bits);
-#else
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
-  const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
-  float magnitude;
-  if (exponent == 0) {
-    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
-  } else if (exponent == 0x1f) {
-    magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN()
-                         : std::numeric_limits<float>::infinity();
-  } else {
-    magnitude = std::ldexp(1.0f + mantissa / 1024.0f, exponent - 15);
-  }
-  return sign ? -magnitude : magnitude;
-#endif
-}
+using jaxinfer::HalfToFloat;
 
 // A KIVI pool's arrays at one layer (shapes as in `kivi.py`, without the layer axis).
 struct KiviLayer {

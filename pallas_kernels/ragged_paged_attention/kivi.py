@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import cpu_rows
+from pallas_kernels.ragged_paged_attention import cpu_kivi_write, cpu_rows
 
 
 class KiviPool(NamedTuple):
@@ -209,6 +209,11 @@ def write_to_kivi_pages(kv_pages: jax.Array, pool: KiviPool, keys: jax.Array,
     position = kv_len - (cu_q_lens[sequence + 1] - token)  # [T]
     context = kv_len - (cu_q_lens[sequence + 1] - cu_q_lens[sequence])  # [T] keys before
     seat = residual_slots[sequence]  # [T]
+    if cpu_kivi_write.supports(page_size):
+        # XLA:CPU: only the pages this step completes are quantized, in place (steps 1 and 2).
+        pages, *arrays = cpu_kivi_write.write((kv_pages, *pool), rows, slot_mapping, position,
+                                              context, kv_len, seat, layer)
+        return pages, KiviPool(*arrays)
 
     # 1. Pages completed this step (a token in a page's last row): their Z rows are the
     # residual's earlier rows and this step's rows, quantized together. At most one per page

@@ -14,7 +14,7 @@ import pytest
 
 from pallas_kernels.ragged_paged_attention import (
     cpu,
-    cpu_rows,
+    cpu_kivi_write,
     create_kivi_pool,
     dequantize_pool,
     ragged_paged_attention,
@@ -85,15 +85,38 @@ def _sequences(rng, lengths, pages_per_seq):
     return num_pages, table, keys, values
 
 
-@pytest.mark.parametrize("row_handlers", [True, False])
+@pytest.mark.parametrize("writer", ["cpu", "xla"])
 @pytest.mark.parametrize("bits", [4, 2])
-def test_writes_do_not_depend_on_the_chunking(bits, row_handlers):
+def test_writes_do_not_depend_on_the_chunking(bits, writer):
     # The same tokens written in one step or in steps of 1-5 tokens give the same pool: a page
-    # is quantized once, when it fills, from its residual rows and the step's rows. On XLA:CPU
-    # the residual is read and written by `cpu_rows`' handlers (a chunk that completes a page
-    # and starts the next reads the seat before overwriting it); without them, by XLA's ops.
-    with contextlib.nullcontext() if row_handlers else cpu_rows.disabled():
+    # is quantized once, when it fills, from its residual rows and the step's rows (a chunk
+    # that completes a page and starts the next reads the seat before overwriting it). On
+    # XLA:CPU the C++ handler writes (`cpu_kivi_write`); the XLA path is the other writer.
+    with contextlib.nullcontext() if writer == "cpu" else cpu_kivi_write.disabled():
         _check_chunking(bits)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's handler")
+@pytest.mark.parametrize(("bits", "value_group"), [(4, 8), (2, 4)])
+def test_the_cpu_writer_stores_what_the_xla_writer_stores(bits, value_group):
+    rng = np.random.default_rng(5)
+    lengths = [11, 8, 3, 16]
+    num_pages, table, keys, values = _sequences(rng, lengths, pages_per_seq=4)
+    keys[0][:, 0, 3] += 30.0  # an outlier channel, and a constant one (scale 0)
+    values[1][:] = 0.5
+    seats = [2, 0, 1, 4]
+    written = {}
+    for writer in ("cpu", "xla"):
+        pages, pool = create_kivi_pool(2, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, bits,
+                                       value_group, 5)
+        with contextlib.nullcontext() if writer == "cpu" else cpu_kivi_write.disabled():
+            assert cpu_kivi_write.supports(PAGE_SIZE) == (writer == "cpu")
+            pages, pool = _write(pages, pool, keys, values, table, [0] * 4, [5, 8, 1, 12], seats)
+            pages, pool = _write(pages, pool, keys, values, table, [5, 8, 1, 12], [6, 0, 2, 4],
+                                 seats)
+        written[writer] = (pages, *pool)
+    for cpu_array, xla_array in zip(written["cpu"], written["xla"], strict=True):
+        np.testing.assert_array_equal(np.asarray(cpu_array), np.asarray(xla_array))
 
 
 def _check_chunking(bits):
