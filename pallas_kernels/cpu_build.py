@@ -22,7 +22,8 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import jax
 
@@ -146,6 +147,21 @@ def kernel_available(source: pathlib.Path, targets: Iterable[str], *, kernel: st
     """Whether `kernel_level` finds any path of the kernel that can run here."""
     return kernel_level(source, targets, kernel=kernel, fallback=fallback,
                         vectorized=vectorized) > 0
+
+
+Result = TypeVar("Result")
+
+
+def on_cpu(kernel: Callable[[], Result], fallback: Callable[[], Result]) -> Result:
+    """`kernel()` in a computation lowered for CPU, `fallback()` in one lowered for any other
+    platform.
+
+    `jax.default_backend()` says where eager work runs, not what a computation is compiled
+    for: a TPU program compiled ahead of time on a CPU host (`make tpu-check`) saw "cpu" and
+    took a CPU kernel's custom call, which no TPU compiler can emit. Both are traced; only the
+    lowering platform's is lowered.
+    """
+    return jax.lax.platform_dependent(cpu=kernel, default=fallback)
 
 
 def single_device() -> bool:

@@ -467,9 +467,10 @@ struct KiviLayer {
   int64_t page_size, num_kv_heads, head_dim, bits, value_group;
 };
 
-// The `head_dim` codes of one packed head row (element h in byte h / (8 / bits), low bits
-// first) as floats in `codes`.
-inline void UnpackCodes(const uint8_t* bytes, int64_t head_dim, int64_t bits, float* codes) {
+// One packed head row (element h in byte h / (8 / bits), low bits first) dequantized:
+// out[h] = code_h * scale[h] + zero[h] (per-channel scales and zero points, widened).
+inline void DequantizeRow(const uint8_t* bytes, int64_t head_dim, int64_t bits,
+                          const float* scale, const float* zero, float* out) {
   int64_t h = 0;
 #ifdef JAXINFER_DECODE_AVX2
   if (bits == 4) {  // 8 bytes -> 16 codes: low and high nibbles interleaved byte-wise
@@ -479,9 +480,12 @@ inline void UnpackCodes(const uint8_t* bytes, int64_t head_dim, int64_t bits, fl
       const __m128i low = _mm_and_si128(packed, nibble);
       const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
       const __m128i ordered = _mm_unpacklo_epi8(low, high);  // c0 c1 ... c15
-      _mm256_storeu_ps(codes + h, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ordered)));
-      _mm256_storeu_ps(codes + h + 8,
-                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8))));
+      const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ordered));
+      const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8)));
+      _mm256_storeu_ps(out + h, _mm256_fmadd_ps(first, _mm256_loadu_ps(scale + h),
+                                                _mm256_loadu_ps(zero + h)));
+      _mm256_storeu_ps(out + h + 8, _mm256_fmadd_ps(second, _mm256_loadu_ps(scale + h + 8),
+                                                    _mm256_loadu_ps(zero + h + 8)));
     }
   } else if (bits == 2) {  // 2 bytes -> 8 codes: each byte replicated 4x, shifted per code
     const __m128i replicate = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -490,17 +494,33 @@ inline void UnpackCodes(const uint8_t* bytes, int64_t head_dim, int64_t bits, fl
       uint16_t word;
       std::memcpy(&word, bytes + h / 4, sizeof(word));
       const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(word), replicate);
-      const __m256i values = _mm256_and_si256(
+      const __m256i codes = _mm256_and_si256(
           _mm256_srlv_epi32(_mm256_cvtepu8_epi32(spread), shifts), _mm256_set1_epi32(3));
-      _mm256_storeu_ps(codes + h, _mm256_cvtepi32_ps(values));
+      _mm256_storeu_ps(out + h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes),
+                                                _mm256_loadu_ps(scale + h),
+                                                _mm256_loadu_ps(zero + h)));
     }
   }
 #endif
   const int64_t per_byte = 8 / bits;
   const uint32_t mask = (1u << bits) - 1;
   for (; h < head_dim; ++h) {
-    codes[h] = static_cast<float>((bytes[h / per_byte] >> ((h % per_byte) * bits)) & mask);
+    const float code =
+        static_cast<float>((bytes[h / per_byte] >> ((h % per_byte) * bits)) & mask);
+    out[h] = code * scale[h] + zero[h];
   }
+}
+
+// n float16 values widened into `out` (8 at a time with F16C).
+inline void WidenHalves(const uint16_t* halves, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef JAXINFER_DECODE_F16C
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + i))));
+  }
+#endif
+  for (; i < n; ++i) out[i] = HalfToFloat(halves[i]);
 }
 
 // Rows [row0, row0 + count) of a quantized page, dequantized to float32 [count, 2K, H] in
@@ -511,18 +531,19 @@ void DequantizeKiviRows(const KiviLayer& kivi, int64_t page, int64_t row0, int64
   const int64_t num_kv_heads = kivi.num_kv_heads, head_dim = kivi.head_dim;
   const int64_t row_bytes = head_dim * kivi.bits / 8, value_group = kivi.value_group;
   const int64_t groups = head_dim / value_group;
-  static thread_local std::vector<float> key_scale, key_zero;
-  key_scale.resize(num_kv_heads * head_dim);
-  key_zero.resize(num_kv_heads * head_dim);
+  // Per channel: the page's key scales and zero points, then each row's value group scales
+  // spread over their channels (so that one fused multiply-add dequantizes every code).
+  static thread_local std::vector<float> buffer;
+  buffer.resize(2 * num_kv_heads * head_dim + 2 * head_dim);
   // Thread-local buffers are reached through a call in a shared library: once, here.
-  float* const page_scale = key_scale.data();
-  float* const page_zero = key_zero.data();
-  const uint16_t* page_key_scales = kivi.key_scales + page * num_kv_heads * head_dim;
-  const uint16_t* page_key_zeros = kivi.key_zeros + page * num_kv_heads * head_dim;
-  for (int64_t i = 0; i < num_kv_heads * head_dim; ++i) {
-    page_scale[i] = HalfToFloat(page_key_scales[i]);
-    page_zero[i] = HalfToFloat(page_key_zeros[i]);
-  }
+  float* const page_scale = buffer.data();                          // [K, H]
+  float* const page_zero = page_scale + num_kv_heads * head_dim;    // [K, H]
+  float* const value_scale = page_zero + num_kv_heads * head_dim;   // [H]
+  float* const value_zero = value_scale + head_dim;                 // [H]
+  WidenHalves(kivi.key_scales + page * num_kv_heads * head_dim, num_kv_heads * head_dim,
+              page_scale);
+  WidenHalves(kivi.key_zeros + page * num_kv_heads * head_dim, num_kv_heads * head_dim,
+              page_zero);
   for (int64_t t = 0; t < count; ++t) {
     const int64_t row = page * kivi.page_size + row0 + t;
     const uint8_t* packed_row = kivi.packed + row * 2 * num_kv_heads * row_bytes;
@@ -530,20 +551,16 @@ void DequantizeKiviRows(const KiviLayer& kivi, int64_t page, int64_t row0, int64
     const uint16_t* value_zeros = kivi.value_zeros + row * num_kv_heads * groups;
     for (int64_t k = 0; k < num_kv_heads; ++k) {
       float* key = out + (t * 2 * num_kv_heads + 2 * k) * head_dim;  // [H]
-      float* value = key + head_dim;                                  // [H]
-      UnpackCodes(packed_row + 2 * k * row_bytes, head_dim, kivi.bits, key);
-      UnpackCodes(packed_row + (2 * k + 1) * row_bytes, head_dim, kivi.bits, value);
-      const float* scale = page_scale + k * head_dim;
-      const float* zero = page_zero + k * head_dim;
-#pragma omp simd
-      for (int64_t h = 0; h < head_dim; ++h) key[h] = key[h] * scale[h] + zero[h];
+      DequantizeRow(packed_row + 2 * k * row_bytes, head_dim, kivi.bits,
+                    page_scale + k * head_dim, page_zero + k * head_dim, key);
       for (int64_t group = 0; group < groups; ++group) {
-        const float value_scale = HalfToFloat(value_scales[k * groups + group]);
-        const float value_zero = HalfToFloat(value_zeros[k * groups + group]);
-        float* chunk = value + group * value_group;
-#pragma omp simd
-        for (int64_t h = 0; h < value_group; ++h) chunk[h] = chunk[h] * value_scale + value_zero;
+        std::fill_n(value_scale + group * value_group, value_group,
+                    HalfToFloat(value_scales[k * groups + group]));
+        std::fill_n(value_zero + group * value_group, value_group,
+                    HalfToFloat(value_zeros[k * groups + group]));
       }
+      DequantizeRow(packed_row + (2 * k + 1) * row_bytes, head_dim, kivi.bits, value_scale,
+                    value_zero, key + head_dim);
     }
   }
 }

@@ -1,15 +1,13 @@
 // Row writes and reads of a KV pool for XLA:CPU, in the pool's own buffer, as XLA FFI calls.
 //
-// Two things XLA:CPU does copied whole pools inside the decode step:
+// Two things XLA:CPU does copied whole float8 pools inside the decode step:
 //  - it scatters and gathers no float8 array: it widened the whole pool to float16 around
 //    each, and a uint8 `bitcast_convert_type` of the pool (the way round that) is a copy too
 //    (float8 KV decoded at a third of float32 KV's speed);
-//  - it cannot order a read of a loop-carried array before an in-place write of it unless the
-//    write depends on the read: a KIVI residual that is read (the rows of pages the step
-//    completes) and then written (the step's rows) was copied twice a layer.
+//  - it copies a loop-carried pool to alias an in-place update to a reshape of it.
 // These handlers move rows as bytes (any element type): `WriteRows` updates the pool in place
-// (the call's output aliases it), `ReadRows` copies out the rows asked for, and
-// `ReadThenWriteRows` does both in one call, the read first.
+// (the call's output aliases it, the pool taken in its own shape), `ReadRows` copies out the
+// rows asked for.
 //
 // Layout: the pool is [L, N..., R...]: per layer, the N axes (their product is the row count)
 // hold rows of the trailing `row_rank` axes R. Of the pool [L, P, Z, 2K, H], row_rank 2 makes
@@ -97,17 +95,6 @@ ffi::Error ReadImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index,
   return ffi::Error::Success();
 }
 
-// ReadImpl into `read_out`, then WriteImpl: one call, so the read needs no ordering by XLA.
-ffi::Error ReadThenWriteImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index,
-                             ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> slots,
-                             ffi::Buffer<ffi::S32> layer, int64_t read_row_rank,
-                             int64_t write_row_rank, ffi::Result<ffi::AnyBuffer> read_out,
-                             ffi::Result<ffi::AnyBuffer> out) {
-  ffi::Error read = ReadImpl(pool, index, layer, read_row_rank, read_out);
-  if (read.failure()) return read;
-  return WriteImpl(pool, rows, slots, layer, write_row_rank, out);
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WriteRows, WriteImpl,
@@ -124,15 +111,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ReadRows, ReadImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("row_rank")
-                                  .Ret<ffi::AnyBuffer>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ReadThenWriteRows, ReadThenWriteImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("read_row_rank")
-                                  .Attr<int64_t>("write_row_rank")
-                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

@@ -1,19 +1,13 @@
 """KV rows written and read in the pool's own buffer on XLA:CPU: `cpu_rows.cc` through XLA FFI.
 
-Two things XLA:CPU does copied whole pools inside the decode step
-(`benchmarks/results/kv_dtypes_decode.md`):
-
-- it has no float8 scatter or gather: it widened the whole pool to float16 around each, and
-  the way round that, a uint8 `bitcast_convert_type` of the pool, is a whole-pool copy as well
-  (three per layer: float8 KV decoded at 0.35-0.41x float32 KV at batch 64);
-- it cannot order a read of a loop-carried array before an in-place write of it unless the
-  write depends on the read: KIVI's residual, read for the pages a step completes and then
-  written with the step's rows, was copied twice a layer.
-
-The C++ handlers move rows as bytes, of any dtype: `write_rows` updates the pool in place
-(the call's output aliases it), `read_rows` copies out only the rows asked for, and
-`read_then_write_rows` does both in one call. Their results equal the `.at[].set` and gathers
-they replace (`tests/pallas_kernels/test_cpu_rows.py`).
+XLA:CPU has no float8 scatter or gather: it widened the whole pool to float16 around each, and
+the way round that, a uint8 `bitcast_convert_type` of the pool, is a whole-pool copy as well
+(three per layer: float8 KV decoded at 0.35-0.41x float32 KV at batch 64,
+`benchmarks/results/kv_dtypes_decode.md`). The C++ handlers move rows as bytes, of any dtype:
+`write_rows` updates the pool in place (the call's output aliases it) and `read_rows` copies
+out only the rows asked for. Their results equal the `.at[].set` and gathers they replace
+(`tests/pallas_kernels/test_cpu_rows.py`). Callers choose them with `cpu_build.on_cpu`, so a
+TPU program compiled on a CPU host keeps XLA's ops.
 
 Built on first use by `pallas_kernels.cpu_build`; where it cannot be, `supports` is False and
 the callers keep XLA's ops.
@@ -39,7 +33,7 @@ disabled = _switch.disabled
 @functools.cache
 def available() -> bool:
     """Whether the handlers are built and registered (False, with one warning, if not)."""
-    return cpu_build.kernel_available(SOURCE, ("WriteRows", "ReadRows", "ReadThenWriteRows"),
+    return cpu_build.kernel_available(SOURCE, ("WriteRows", "ReadRows"),
                                       kernel="KV rows", fallback="XLA's scatter and gather")
 
 
@@ -50,6 +44,9 @@ def supports(pool: jax.Array) -> bool:
 
 
 def _layer(layer: jax.Array | int) -> jax.Array:
+    """The layer as the handlers take it; registers them first (a call before `supports`)."""
+    if not available():
+        raise RuntimeError("the CPU KV row handlers are not built (see the warning above)")
     return jnp.asarray(layer, jnp.int32).reshape(1)  # [1]
 
 
@@ -106,22 +103,3 @@ def read_rows(pool: jax.Array, layer: jax.Array | int, index: jax.Array,
     call = jax.ffi.ffi_call("jaxinfer_ReadRows",
                             jax.ShapeDtypeStruct((*index.shape, *row_shape), pool.dtype))
     return call(pool, index, _layer(layer), row_rank=row_rank)
-
-
-def read_then_write_rows(pool: jax.Array, layer: jax.Array | int, index: jax.Array,
-                         rows: jax.Array, slots: jax.Array, read_row_rank: int | None = None
-                         ) -> tuple[jax.Array, jax.Array]:
-    """`read_rows(pool, layer, index, read_row_rank)` of the pool as given, then
-    `write_rows(pool, rows, slots, layer)`, in one call (so the write is in place).
-
-    Returns:
-        `([..., R...] the rows read, the written pool)`.
-    """
-    index, read_row_rank, row_shape = _read_index(pool, index, read_row_rank)
-    call = jax.ffi.ffi_call(
-        "jaxinfer_ReadThenWriteRows",
-        (jax.ShapeDtypeStruct((*index.shape, *row_shape), pool.dtype),
-         jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        input_output_aliases={0: 1})
-    return call(pool, index, rows.astype(pool.dtype), slots.astype(jnp.int32), _layer(layer),
-                read_row_rank=read_row_rank, write_row_rank=rows.ndim - 1)

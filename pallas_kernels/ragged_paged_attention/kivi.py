@@ -33,7 +33,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import cpu_kivi_write, cpu_rows
+from pallas_kernels import cpu_build
+from pallas_kernels.ragged_paged_attention import cpu_kivi_write
 
 
 class KiviPool(NamedTuple):
@@ -196,7 +197,7 @@ def write_to_kivi_pages(kv_pages: jax.Array, pool: KiviPool, keys: jax.Array,
     Returns:
         The updated `(kv_pages, pool)`.
     """
-    num_pages, page_size = kv_pages.shape[1], kv_pages.shape[2]
+    page_size = kv_pages.shape[2]
     num_tokens = keys.shape[0]
     max_seqs = kv_lens.shape[0]
     rows = jnp.stack([keys, values], axis=2).reshape(
@@ -204,16 +205,31 @@ def write_to_kivi_pages(kv_pages: jax.Array, pool: KiviPool, keys: jax.Array,
     token = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
     sequence = jnp.clip(jnp.searchsorted(cu_q_lens[1:], token, side="right"), 0,
                         max_seqs - 1).astype(jnp.int32)  # [T]
-    real = slot_mapping >= 0  # [T]
     kv_len = kv_lens[sequence]  # [T]
     position = kv_len - (cu_q_lens[sequence + 1] - token)  # [T]
     context = kv_len - (cu_q_lens[sequence + 1] - cu_q_lens[sequence])  # [T] keys before
     seat = residual_slots[sequence]  # [T]
     if cpu_kivi_write.supports(page_size):
         # XLA:CPU: only the pages this step completes are quantized, in place (steps 1 and 2).
-        pages, *arrays = cpu_kivi_write.write((kv_pages, *pool), rows, slot_mapping, position,
-                                              context, kv_len, seat, layer)
-        return pages, KiviPool(*arrays)
+        def in_place() -> tuple[jax.Array, KiviPool]:
+            pages, *arrays = cpu_kivi_write.write((kv_pages, *pool), rows, slot_mapping,
+                                                  position, context, kv_len, seat, layer)
+            return pages, KiviPool(*arrays)
+
+        return cpu_build.on_cpu(in_place, lambda: _write_in_xla(
+            kv_pages, pool, rows, slot_mapping, position, context, kv_len, seat, max_seqs,
+            layer))
+    return _write_in_xla(kv_pages, pool, rows, slot_mapping, position, context, kv_len, seat,
+                         max_seqs, layer)
+
+
+def _write_in_xla(kv_pages: jax.Array, pool: KiviPool, rows: jax.Array, slot_mapping: jax.Array,
+                  position: jax.Array, context: jax.Array, kv_len: jax.Array, seat: jax.Array,
+                  max_seqs: int, layer: jax.Array | int) -> tuple[jax.Array, KiviPool]:
+    """`write_to_kivi_pages` in XLA (per-token `[T]` position, context, kv_len and seat)."""
+    num_pages, page_size = kv_pages.shape[1], kv_pages.shape[2]
+    num_tokens = rows.shape[0]
+    real = slot_mapping >= 0  # [T]
 
     # 1. Pages completed this step (a token in a page's last row): their Z rows are the
     # residual's earlier rows and this step's rows, quantized together. At most one per page
@@ -232,14 +248,7 @@ def write_to_kivi_pages(kv_pages: jax.Array, pool: KiviPool, keys: jax.Array,
     num_seats = pool.residual.shape[1]
     target = jnp.where(in_partial, seat * page_size + position % page_size,
                        num_seats * page_size)  # [T] rows of the seats' R*Z; R*Z drops
-    written = None
-    if cpu_rows.supports(pool.residual):
-        # One call reads, then writes in place: XLA could not order a read of the residual
-        # before its in-place write, and copied the whole residual twice a layer.
-        earlier, written = cpu_rows.read_then_write_rows(pool.residual, layer, seat[done], rows,
-                                                         target, read_row_rank=3)
-    else:
-        earlier = pool.residual[layer, seat[done]]  # [M, Z, 2K, H]
+    earlier = pool.residual[layer, seat[done]]  # [M, Z, 2K, H]
     page_rows = jnp.where(from_step[..., None, None], step_rows, earlier)  # [M, Z, 2K, H]
     packed, key_scales, key_zeros, value_scales, value_zeros = quantize_pages(
         page_rows, bits_of(kv_pages, pool), pool.value_group)
@@ -251,12 +260,11 @@ def write_to_kivi_pages(kv_pages: jax.Array, pool: KiviPool, keys: jax.Array,
         value_scales=pool.value_scales.at[layer, page_ids].set(value_scales, mode="drop"),
         value_zeros=pool.value_zeros.at[layer, page_ids].set(value_zeros, mode="drop"))
 
-    # 2. The residual's rows (already written on XLA:CPU). Indexed (seat, row) in the
-    # residual's own shape: XLA copied the whole residual to scatter into a reshape of it.
-    if written is None:
-        written = pool.residual.at[layer, target // page_size, target % page_size].set(
-            rows, mode="drop")
-    return kv_pages, pool._replace(residual=written)
+    # 2. The residual's rows, indexed (seat, row) in the residual's own shape: XLA copied the
+    # whole residual to scatter into a reshape of it.
+    residual = pool.residual.at[layer, target // page_size, target % page_size].set(
+        rows, mode="drop")
+    return kv_pages, pool._replace(residual=residual)
 
 
 # ---------------------------------------------------------------- reads

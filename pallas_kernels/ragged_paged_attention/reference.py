@@ -57,6 +57,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_build
 from pallas_kernels.ragged_paged_attention import cpu_rows, kivi
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row stays NaN-free
@@ -188,20 +189,24 @@ def write_to_quantized_pages(kv_pages: jax.Array, kv_scales: jax.Array, keys: ja
                                          kv_pages.dtype)  # [T, 2K, H], [T, 2K]
     flat_pages = _flat(kv_pages, layer)  # [P*Z, 2K, H] or [L, P*Z, 2K, H]
     flat_scales = _flat(kv_scales, layer)  # [P*Z, 2K] or [L, P*Z, 2K]
-    is_float8 = jnp.issubdtype(kv_pages.dtype, jnp.floating)
-    if is_float8 and cpu_rows.supports(kv_pages):
-        # XLA:CPU has no float8 scatter, and each way round it in XLA copies the whole pool (a
-        # float16 widening, or a uint8 bitcast): the C++ handler writes the rows in place. The
-        # pool goes in its own shape: XLA copied a reshaped, loop-carried pool to alias it.
-        stacked = kv_pages if layer is not None else kv_pages[None]  # [L, P, Z, 2K, H]
-        pages = cpu_rows.write_rows(stacked, quantized, slot_mapping,
-                                    0 if layer is None else layer)  # [L, P, Z, 2K, H]
-    elif is_float8:
-        # Elsewhere float8 rows are scattered as their bytes (XLA widened a float8 scatter's
-        # whole pool to float16 and back).
-        as_bytes = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
-        written = _scatter_rows(as_bytes(flat_pages), as_bytes(quantized), slot_mapping, layer)
-        pages = jax.lax.bitcast_convert_type(written, kv_pages.dtype)  # [(L,) P*Z, 2K, H]
+    if jnp.issubdtype(kv_pages.dtype, jnp.floating):
+        def as_bytes() -> jax.Array:
+            # Float8 rows scattered as their bytes (XLA widened a float8 scatter's whole pool to
+            # float16 and back).
+            to_bytes = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
+            written = _scatter_rows(to_bytes(flat_pages), to_bytes(quantized), slot_mapping, layer)
+            return jax.lax.bitcast_convert_type(written, kv_pages.dtype).reshape(kv_pages.shape)
+
+        def in_place() -> jax.Array:
+            # XLA:CPU copies the whole pool for that bitcast too: the C++ handler writes the
+            # rows in place. The pool goes in its own shape: XLA copied a reshaped, loop-carried
+            # pool to alias it.
+            stacked = kv_pages if layer is not None else kv_pages[None]  # [L, P, Z, 2K, H]
+            return cpu_rows.write_rows(stacked, quantized, slot_mapping,
+                                       0 if layer is None else layer).reshape(kv_pages.shape)
+
+        pages = (cpu_build.on_cpu(in_place, as_bytes) if cpu_rows.supports(kv_pages)
+                 else as_bytes())  # [(L,) P, Z, 2K, H]
     else:
         pages = _scatter_rows(flat_pages, quantized, slot_mapping, layer)  # [(L,) P*Z, 2K, H]
     return (pages.reshape(kv_pages.shape),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_build
 from pallas_kernels.ragged_paged_attention import cpu, cpu_rows, kivi
 from pallas_kernels.ragged_paged_attention.reference import as_stacked, dequantize_pages
 
@@ -147,15 +148,17 @@ def _pages(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
     if isinstance(kv_scales, kivi.KiviPool):
         return kivi.read_pages(kv_pages, kv_scales, layer, index, page_number, kv_lens, seats)
     is_float8 = jnp.issubdtype(kv_pages.dtype, jnp.floating) and kv_pages.dtype.itemsize == 1
-    if is_float8 and cpu_rows.supports(kv_pages):
-        # XLA:CPU has no float8 gather, and each way round it in XLA copies the whole pool:
-        # the C++ handler copies out just these pages.
-        pages = cpu_rows.read_rows(kv_pages, layer, index)  # [..., Z, 2K, H]
-    elif is_float8:
-        # Elsewhere float8 pages are gathered as bytes (XLA widened the whole pool to float16
-        # for a float8 gather).
-        as_bytes = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)  # [L, P, Z, 2K, H]
-        pages = jax.lax.bitcast_convert_type(as_bytes[layer, index], kv_pages.dtype)
+    if is_float8:
+        def as_bytes() -> jax.Array:
+            # Float8 pages gathered as bytes (XLA widened the whole pool to float16 for a
+            # float8 gather).
+            pool_bytes = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)  # [L, P, Z, 2K, H]
+            return jax.lax.bitcast_convert_type(pool_bytes[layer, index], kv_pages.dtype)
+
+        # XLA:CPU copies the whole pool for that bitcast too: the C++ handler copies out just
+        # these pages.
+        pages = (cpu_build.on_cpu(lambda: cpu_rows.read_rows(kv_pages, layer, index), as_bytes)
+                 if cpu_rows.supports(kv_pages) else as_bytes())  # [..., Z, 2K, H]
     else:
         pages = kv_pages[layer, index]  # [..., Z, 2K, H]
     return dequantize_pages(pages, None if kv_scales is None else kv_scales[layer, index])
@@ -193,16 +196,32 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviP
     Returns:
         Per-sequence softmax statistics `[Q, K, G(, H)]`.
     """
-    max_seqs = page_indices.shape[0]
-    page_size = kv_pages.shape[2]
-    _, num_kv_heads, group, head_dim = decode_queries.shape
+    group = decode_queries.shape[2]
     is_kivi = isinstance(kv_scales, kivi.KiviPool)
     if cpu.supports(kv_pages, group, kivi_pool=is_kivi):
         # XLA:CPU: the C++ walk reads each key once, at ~4x this loop's speed (a KIVI page
         # dequantized once per page, in cache, where this loop ran ~25 ops per page).
-        return cpu.decode_context_stats(kv_pages, kv_scales, layer, page_indices,
-                                        decode_queries, decode_context, decode_position,
-                                        window, soft_cap, residual_slots)
+        return cpu_build.on_cpu(
+            lambda: cpu.decode_context_stats(kv_pages, kv_scales, layer, page_indices,
+                                             decode_queries, decode_context, decode_position,
+                                             window, soft_cap, residual_slots),
+            lambda: _decode_walk(kv_pages, kv_scales, layer, page_indices, decode_queries,
+                                 decode_context, decode_position, window, windowed, soft_cap,
+                                 residual_slots))
+    return _decode_walk(kv_pages, kv_scales, layer, page_indices, decode_queries,
+                        decode_context, decode_position, window, windowed, soft_cap,
+                        residual_slots)
+
+
+def _decode_walk(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
+                 layer: jax.Array | int, page_indices: jax.Array, decode_queries: jax.Array,
+                 decode_context: jax.Array, decode_position: jax.Array,
+                 window: int | jax.Array, windowed: bool, soft_cap: float | None,
+                 residual_slots: jax.Array | None) -> Stats:
+    """`_decode_context_stats` in XLA: groups of similar length walk their pages."""
+    max_seqs = page_indices.shape[0]
+    page_size = kv_pages.shape[2]
+    _, num_kv_heads, group, head_dim = decode_queries.shape
     group_size = min(DECODE_SEQUENCE_GROUP, max_seqs)
     num_groups = -(-max_seqs // group_size)
     order = jnp.argsort(-decode_context, stable=True).astype(jnp.int32)  # [Q] longest first

@@ -57,18 +57,6 @@ def test_read_rows_equals_a_gather_of_pages_and_of_slots(dtype):
                                   _floats(pool[0].reshape(20, 6, 8)[slots]))
 
 
-def test_read_then_write_reads_the_rows_before_the_write():
-    pool = _pool("float32")
-    rows = jnp.full((2, 6, 8), 100.0, jnp.float32)
-    # The write lands in page 1 (slots 4..7), the page the read asks for.
-    read, written = jax.jit(functools.partial(cpu_rows.read_then_write_rows, read_row_rank=3))(
-        pool, 2, jnp.asarray([1], jnp.int32), rows, jnp.asarray([4, 5], jnp.int32))
-    np.testing.assert_array_equal(np.asarray(read), np.asarray(pool[2, [1]]))
-    expected = np.array(pool).reshape(3, 20, 6, 8)
-    expected[2, [4, 5]] = 100.0
-    np.testing.assert_array_equal(np.asarray(written).reshape(3, 20, 6, 8), expected)
-
-
 def test_a_loop_carried_pool_is_written_in_place():
     # The point of the handlers: no copy of the pool in the compiled layer loop.
     pool = _pool("float8_e4m3fn", (4, 64, 16, 4, 32))
