@@ -152,15 +152,18 @@ def kernel_available(source: pathlib.Path, targets: Iterable[str], *, kernel: st
 Result = TypeVar("Result")
 
 
-def on_cpu(kernel: Callable[[], Result], fallback: Callable[[], Result]) -> Result:
+def on_cpu(kernel: Callable[[], Result], fallback: Callable[[], Result],
+           supported: bool = True) -> Result:
     """`kernel()` in a computation lowered for CPU, `fallback()` in one lowered for any other
-    platform.
+    platform, or wherever the kernel is not `supported` (its `supports` check).
 
     `jax.default_backend()` says where eager work runs, not what a computation is compiled
     for: a TPU program compiled ahead of time on a CPU host (`make tpu-check`) saw "cpu" and
     took a CPU kernel's custom call, which no TPU compiler can emit. Both are traced; only the
     lowering platform's is lowered.
     """
+    if not supported:
+        return fallback()
     return jax.lax.platform_dependent(cpu=kernel, default=fallback)
 
 

@@ -209,18 +209,16 @@ def write_to_kivi_pages(kv_pages: jax.Array, pool: KiviPool, keys: jax.Array,
     position = kv_len - (cu_q_lens[sequence + 1] - token)  # [T]
     context = kv_len - (cu_q_lens[sequence + 1] - cu_q_lens[sequence])  # [T] keys before
     seat = residual_slots[sequence]  # [T]
-    if cpu_kivi_write.supports(page_size):
+    def in_place() -> tuple[jax.Array, KiviPool]:
         # XLA:CPU: only the pages this step completes are quantized, in place (steps 1 and 2).
-        def in_place() -> tuple[jax.Array, KiviPool]:
-            pages, *arrays = cpu_kivi_write.write((kv_pages, *pool), rows, slot_mapping,
-                                                  position, context, kv_len, seat, layer)
-            return pages, KiviPool(*arrays)
+        pages, *arrays = cpu_kivi_write.write((kv_pages, *pool), rows, slot_mapping, position,
+                                              context, kv_len, seat, layer)
+        return pages, KiviPool(*arrays)
 
-        return cpu_build.on_cpu(in_place, lambda: _write_in_xla(
-            kv_pages, pool, rows, slot_mapping, position, context, kv_len, seat, max_seqs,
-            layer))
-    return _write_in_xla(kv_pages, pool, rows, slot_mapping, position, context, kv_len, seat,
-                         max_seqs, layer)
+    return cpu_build.on_cpu(
+        in_place, lambda: _write_in_xla(kv_pages, pool, rows, slot_mapping, position, context,
+                                        kv_len, seat, max_seqs, layer),
+        supported=cpu_kivi_write.supports(page_size))
 
 
 def _write_in_xla(kv_pages: jax.Array, pool: KiviPool, rows: jax.Array, slot_mapping: jax.Array,

@@ -205,8 +205,8 @@ def write_to_quantized_pages(kv_pages: jax.Array, kv_scales: jax.Array, keys: ja
             return cpu_rows.write_rows(stacked, quantized, slot_mapping,
                                        0 if layer is None else layer).reshape(kv_pages.shape)
 
-        pages = (cpu_build.on_cpu(in_place, as_bytes) if cpu_rows.supports(kv_pages)
-                 else as_bytes())  # [(L,) P, Z, 2K, H]
+        pages = cpu_build.on_cpu(in_place, as_bytes,
+                                 supported=cpu_rows.supports(kv_pages))  # [(L,) P, Z, 2K, H]
     else:
         pages = _scatter_rows(flat_pages, quantized, slot_mapping, layer)  # [(L,) P*Z, 2K, H]
     return (pages.reshape(kv_pages.shape),

@@ -157,8 +157,8 @@ def _pages(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
 
         # XLA:CPU copies the whole pool for that bitcast too: the C++ handler copies out just
         # these pages.
-        pages = (cpu_build.on_cpu(lambda: cpu_rows.read_rows(kv_pages, layer, index), as_bytes)
-                 if cpu_rows.supports(kv_pages) else as_bytes())  # [..., Z, 2K, H]
+        pages = cpu_build.on_cpu(lambda: cpu_rows.read_rows(kv_pages, layer, index), as_bytes,
+                                 supported=cpu_rows.supports(kv_pages))  # [..., Z, 2K, H]
     else:
         pages = kv_pages[layer, index]  # [..., Z, 2K, H]
     return dequantize_pages(pages, None if kv_scales is None else kv_scales[layer, index])
@@ -198,19 +198,16 @@ def _decode_context_stats(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviP
     """
     group = decode_queries.shape[2]
     is_kivi = isinstance(kv_scales, kivi.KiviPool)
-    if cpu.supports(kv_pages, group, kivi_pool=is_kivi):
-        # XLA:CPU: the C++ walk reads each key once, at ~4x this loop's speed (a KIVI page
-        # dequantized once per page, in cache, where this loop ran ~25 ops per page).
-        return cpu_build.on_cpu(
-            lambda: cpu.decode_context_stats(kv_pages, kv_scales, layer, page_indices,
-                                             decode_queries, decode_context, decode_position,
-                                             window, soft_cap, residual_slots),
-            lambda: _decode_walk(kv_pages, kv_scales, layer, page_indices, decode_queries,
-                                 decode_context, decode_position, window, windowed, soft_cap,
-                                 residual_slots))
-    return _decode_walk(kv_pages, kv_scales, layer, page_indices, decode_queries,
-                        decode_context, decode_position, window, windowed, soft_cap,
-                        residual_slots)
+    # XLA:CPU: the C++ walk reads each key once, at ~4x this loop's speed (a KIVI page
+    # dequantized once per page, in cache, where this loop ran ~25 ops per page).
+    return cpu_build.on_cpu(
+        lambda: cpu.decode_context_stats(kv_pages, kv_scales, layer, page_indices,
+                                         decode_queries, decode_context, decode_position,
+                                         window, soft_cap, residual_slots),
+        lambda: _decode_walk(kv_pages, kv_scales, layer, page_indices, decode_queries,
+                             decode_context, decode_position, window, windowed, soft_cap,
+                             residual_slots),
+        supported=cpu.supports(kv_pages, group, kivi_pool=is_kivi))
 
 
 def _decode_walk(kv_pages: jax.Array, kv_scales: jax.Array | kivi.KiviPool | None,
