@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_build
+from pallas_kernels import cpu_build, top_k
 from pallas_kernels.quant_matmul import formats
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_quant_matmul.cc")
@@ -170,7 +170,7 @@ def _exact_top(x: jax.Array, approximate: jax.Array, values: jax.Array, scales: 
         `[M, O]` float32.
     """
     rows = x.shape[0]
-    _, columns = jax.lax.top_k(approximate, top)  # [M, T]
+    _, columns = top_k.top_k(approximate, top)  # [M, T]
     flat = columns.reshape(-1)  # [M * T]
 
     def gather(stack: jax.Array) -> jax.Array:

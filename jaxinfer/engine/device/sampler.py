@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxinfer.engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from jaxinfer.sampling import filter_logits
+from pallas_kernels.top_k import argmax
 
 # Host builders return NumPy rows (one transfer per step); the device functions take either.
 Array = jax.Array | np.ndarray
@@ -313,7 +314,9 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingArrays,
     """
     processed = process_logits(logits, params)  # [B, V]
     greedy = greedy_rows(params)  # [B]
-    greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [B]
+    # (on XLA:CPU a one-pass C++ scan: XLA's variadic-reduce argmax took ~0.25 ms of a 49152
+    # vocabulary, a few percent of a batch-1 decode step)
+    greedy_tokens = argmax(processed)  # [B]
 
     def draw() -> jax.Array:
         filtered = filter_for_sampling(processed, params)  # [B, V]
