@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.hooks import ActivationHooks, cached_keys_values, linear_input
-from jaxinfer.models.layers import dtype_of, make_linear, make_param
+from jaxinfer.models.layers import dtype_of, make_linear, make_param, project_together
 from jaxinfer.models.rope import apply_rope, inverse_frequencies
 from jaxinfer.sharding import active_axis, constrain
 from pallas_kernels.ragged_paged_attention import (
@@ -131,15 +131,6 @@ class Attention(nnx.Module):
             self.q_bias = self.k_bias = self.v_bias = None
         self.activation_hooks: ActivationHooks | None = None  # see `jaxinfer.models.hooks`
 
-    def _project(self, x: jax.Array, kernel: nnx.Module | nnx.Param,
-                 bias: nnx.Param | None) -> jax.Array:
-        """`[B, T, D]` through q_proj, k_proj or v_proj (a float `LinearParam` or a
-        quantized layer: both are called), plus the bias: `[B, T, N|K, H]`."""
-        out = kernel(x)  # [B, T, N|K, H]
-        if bias is not None:
-            out = out + bias[...].astype(self.dtype)
-        return out
-
     def __call__(
         self,
         x: jax.Array,
@@ -160,11 +151,13 @@ class Attention(nnx.Module):
         """
         inv_freq = inverse_frequencies(self.config)  # [H/2], a host constant of the config
         x = linear_input(self, "attention_input", x)  # [B, T, D]
-        queries = apply_rope(self._project(x, self.q_proj, self.q_bias), positions,
-                             inv_freq)  # [B, T, N, H]
-        keys = apply_rope(self._project(x, self.k_proj, self.k_bias), positions,
-                          inv_freq)  # [B, T, K, H]
-        values = self._project(x, self.v_proj, self.v_bias)  # [B, T, K, H]
+        queries, keys, values = (
+            out if bias is None else out + bias[...].astype(self.dtype)
+            for out, bias in zip(project_together(x, [self.q_proj, self.k_proj, self.v_proj]),
+                                 [self.q_bias, self.k_bias, self.v_bias], strict=True)
+        )  # [B, T, N, H], [B, T, K, H], [B, T, K, H]
+        queries = apply_rope(queries, positions, inv_freq)  # [B, T, N, H]
+        keys = apply_rope(keys, positions, inv_freq)  # [B, T, K, H]
         keys, values = cached_keys_values(self, keys, values)  # [B, T, K, H] each
         queries = constrain(queries, ("batch", "length", "act_heads", None))
         keys = constrain(keys, ("batch", "length", "act_kv_heads", None))

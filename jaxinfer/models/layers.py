@@ -208,6 +208,22 @@ class Embedding(nnx.Module):
                             out_dtype=jnp.float32)  # [B, T, V]
 
 
+def project_together(x: jax.Array, layers: Sequence[Callable[[jax.Array], jax.Array]]
+                     ) -> list[jax.Array]:
+    """`[layer(x) for layer in layers]` for layers that read the same input (a block's q, k
+    and v projections; its gate and up).
+
+    Where the first layer offers `call_together` (`jaxinfer.quant.linear.QuantizedLinear`)
+    and it takes them all, one kernel call computes every product: on the CPU, x is
+    quantized once and the threads are started once for all the weights (vLLM fuses the same
+    projections into one weight; here the parameters stay as they are). Otherwise, one call
+    each.
+    """
+    together = getattr(layers[0], "call_together", None)
+    outs = None if together is None else together(x, layers)
+    return [layer(x) for layer in layers] if outs is None else outs
+
+
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
@@ -222,8 +238,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = linear_input(self, "mlp_input", x)  # [B, T, D]
-        gate = self.gate_proj(x)  # [B, T, F]
-        up = self.up_proj(x)  # [B, T, F]
+        gate, up = project_together(x, [self.gate_proj, self.up_proj])  # [B, T, F] each
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))  # [B, T, F]
         hidden = linear_input(self, "mlp_hidden", hidden)  # [B, T, F]
         return self.down_proj(hidden)  # [B, T, D]

@@ -137,24 +137,59 @@ class QuantizedLinear(nnx.Module):
         return QuantizedWeight(self.format, values, scales, zeros, self.group_size,
                                self.bits, positions)
 
-    def _cpu_kernel(self, x: jax.Array, out_dtype: jnp.dtype | None) -> jax.Array | None:
-        """`x @ weight` by the CPU kernel (`pallas_kernels.quant_matmul.cpu`), reading this
-        layer of a stack in place inside a scan, or None where it does not apply (another
-        backend or implementation, format or size)."""
+    def _kernel_weight(self, x: jax.Array, out_dtype: jnp.dtype | None = None
+                       ) -> tuple[tuple[jax.Array, jax.Array, jax.Array | None],
+                                  jax.Array | None] | None:
+        """`((values, scales, zeros), layer)` as the CPU kernel (`pallas_kernels.quant_matmul.
+        cpu`) reads them, whole stacks and this scan iteration's layer inside a scan (layer
+        None outside one), or None where the kernel does not apply (another backend or
+        implementation, format or size, a sharded axis, a permuted input)."""
         values, scales, zeros, _ = self._arrays()
         stacked = isinstance(values, StackedLayer)
         stack = values.stack if stacked else values  # [(L,) I', O]
         if (out_dtype not in (None, jnp.float32) or dispatch.resolve(self.implementation) != "xla"
+                or any(active_axis(name) is not None for name in self.logical_axes
+                       if name is not None)
                 or not cpu_quant_matmul.supports(x, self.format, stack)):
             return None
         if stacked:
-            return cpu_quant_matmul.matmul(
-                x, self.format, stack, scales.stack, None if zeros is None else zeros.stack,
-                self.group_size, layer=values.layer, int8_activations=self.int8_activations,
-                exact_top=self.exact_top)  # [..., O]
-        return cpu_quant_matmul.matmul(x, self.format, values, scales, zeros, self.group_size,
-                                       int8_activations=self.int8_activations,
-                                       exact_top=self.exact_top)  # [..., O]
+            return ((stack, scales.stack, None if zeros is None else zeros.stack),
+                    values.layer)
+        return (values, scales, zeros), None
+
+    def _cpu_kernel(self, x: jax.Array, out_dtype: jnp.dtype | None) -> jax.Array | None:
+        """`x @ weight` by the CPU kernel, reading this layer of a stack in place inside a
+        scan, or None where it does not apply (`_kernel_weight`)."""
+        found = self._kernel_weight(x, out_dtype)
+        if found is None:
+            return None
+        (values, scales, zeros), layer = found
+        return cpu_quant_matmul.matmul(
+            x, self.format, values, scales, zeros, self.group_size, layer=layer,
+            int8_activations=self.int8_activations, exact_top=self.exact_top)  # [..., O]
+
+    def call_together(self, x: jax.Array, layers: Sequence[object]) -> list[jax.Array] | None:
+        """`[layer(x) for layer in layers]` (this layer first) in one CPU kernel call
+        (`cpu_quant_matmul.matmul_many`: x quantized once, the threads started once), or None
+        where the layers cannot share one: each must be a `QuantizedLinear` the kernel takes,
+        of this one's format, group size, zero-point presence and activation setting, with no
+        input permutation or exact top (`jaxinfer.models.layers.project_together` then calls
+        them one by one)."""
+        if not all(isinstance(layer, QuantizedLinear) for layer in layers):
+            return None
+        found = [layer._kernel_weight(x) if (
+            layer.format == self.format and layer.group_size == self.group_size
+            and (layer.zeros is None) == (self.zeros is None)
+            and layer.int8_activations == self.int8_activations and layer.exact_top == 0
+            and layer.input_permutation is None) else None for layer in layers]
+        if any(weight is None for weight in found) or len({
+                layer is None for _, layer in found}) != 1:
+            return None
+        outs = cpu_quant_matmul.matmul_many(
+            x, self.format, [weights for weights, _ in found], self.group_size,
+            layer=found[0][1], int8_activations=self.int8_activations)  # [..., O_i] each
+        return [out.reshape(*x.shape[:-1], *layer.output_shape)
+                for out, layer in zip(outs, layers, strict=True)]  # [..., *output_shape] each
 
     def __call__(self, x: jax.Array, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
         """`[..., I]` activations to `[..., *output_shape]` (the `LinearParam` call).

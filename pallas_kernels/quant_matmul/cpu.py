@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from pallas_kernels.quant_matmul import formats
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_quant_matmul.cc")
 _TARGET = "QuantMatmul"
+_MANY_TARGET = "QuantMatmulMany"
 # Rows up to which the kernel runs. Each pair of rows decodes the weight again from L1, while
 # XLA's path dequantizes once and then multiplies at its large-product rate, so the kernel's
 # lead shrinks with rows; prefill buckets (128 rows and up) keep XLA's path.
@@ -46,7 +48,7 @@ disabled = _switch.disabled
 def available() -> bool:
     """Whether the kernel is built, registered and vectorized for this CPU (False, with one
     warning, if it cannot be built, or with `JAXINFER_CPU_KERNELS=0`)."""
-    return cpu_build.kernel_available(SOURCE, [_TARGET], kernel="quantized-matmul",
+    return cpu_build.kernel_available(SOURCE, [_TARGET, _MANY_TARGET], kernel="quantized-matmul",
                                       fallback="XLA's path",
                                       vectorized="JaxinferQuantMatmulVectorized")
 
@@ -248,3 +250,81 @@ def _matmul_backward(weight_format, group_size, int8_activations, saved, grad):
 
 
 _matmul.defvjp(_matmul_forward, _matmul_backward)
+
+
+def matmul_many(x: jax.Array, weight_format: str,
+                weights: Sequence[tuple[jax.Array, jax.Array, jax.Array | None]],
+                group_size: int | None, *, layer: jax.Array | int | None = None,
+                int8_activations: bool | None = None) -> list[jax.Array]:
+    """`[x @ dequantize(w) for w in weights]` in one kernel call (check `supports` for each
+    weight first): x is quantized once and the threads split every weight's groups in one
+    pass, so a layer's q, k and v projections (or its gate and up) start and join the threads
+    once. The same weight format, group size and zero-point presence for every weight.
+
+    Args:
+        x: `[..., I]` float32 activations.
+        weight_format: As `matmul`.
+        weights: `(values, scales, zeros)` of each weight, as `matmul` takes them (stacks
+            `[L, ...]` with `layer`).
+        group_size, layer, int8_activations: As `matmul` (no exact top).
+
+    Returns:
+        `[..., O_i]` float32 for each weight.
+    """
+    if layer is None:
+        weights = [(values[None], scales[None], None if zeros is None else zeros[None])
+                   for values, scales, zeros in weights]  # [1, I', O], [1, ...], [1, C, O]
+    if len({zeros is None for _, _, zeros in weights}) != 1:
+        raise ValueError("matmul_many takes weights all with zero points or all without")
+    flat = x.reshape(-1, x.shape[-1])  # [M, I]
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)  # [1]
+    quantize = bool(int8_activations_by_default(flat.shape[0]) if int8_activations is None
+                    else int8_activations)
+    outs = _matmul_many(flat, tuple(weights), index, weight_format, group_size,
+                        quantize)  # [M, O_i] each
+    return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]  # [..., O_i] each
+
+
+def _call_many(x, weights, layer, weight_format, group_size, int8_activations):
+    """The custom call of several weights of one x: `[M, I]` x, `((values, scales, zeros)
+    ...)` stacks, `[1]` layer -> `[M, O_i]` float32 each."""
+    if not available():  # also registers the FFI targets on first use
+        raise RuntimeError("the CPU quantized-matmul kernel is unavailable on this machine")
+    arrays, shapes = [], []
+    for values, scales, zeros in weights:
+        columns = values.shape[-1]
+        arrays += [values, scales.reshape(scales.shape[0], -1, columns),  # [L, C, O]
+                   jnp.zeros((1,), jnp.float32) if zeros is None else zeros]
+        shapes.append(jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32))
+    call = jax.ffi.ffi_call(f"jaxinfer_{_MANY_TARGET}", tuple(shapes), vmap_method="sequential")
+    return tuple(call(x, layer, *arrays, int4=FORMATS[weight_format],
+                      has_zeros=weights[0][2] is not None,
+                      group_size=np.int64(group_size or x.shape[-1]),
+                      int8_activations=int8_activations,
+                      num_threads=np.int32(cpu_build.num_threads()),
+                      panel_rows=np.int64(PANEL_ROWS)))  # [M, O_i] each
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _matmul_many(x, weights, layer, weight_format, group_size, int8_activations):
+    return _call_many(x, weights, layer, weight_format, group_size, int8_activations)
+
+
+def _matmul_many_forward(x, weights, layer, weight_format, group_size, int8_activations):
+    out = _call_many(x, weights, layer, weight_format, group_size, int8_activations)
+    return out, (x, weights, layer)
+
+
+def _matmul_many_backward(weight_format, group_size, int8_activations, saved, grads):
+    # Each weight's gradients as `_matmul_backward` gives them; x's are summed.
+    x, weights, layer = saved
+    x_grad, weight_grads = jnp.zeros_like(x), []
+    for (values, scales, zeros), grad in zip(weights, grads, strict=True):
+        x_part, values_grad, scales_grad, zeros_grad, layer_grad = _matmul_backward(
+            weight_format, group_size, int8_activations, (x, values, scales, zeros, layer), grad)
+        x_grad = x_grad + x_part  # [M, I]
+        weight_grads.append((values_grad, scales_grad, zeros_grad))
+    return x_grad, tuple(weight_grads), layer_grad
+
+
+_matmul_many.defvjp(_matmul_many_forward, _matmul_many_backward)

@@ -464,32 +464,48 @@ void VectorColumns(const Problem& p, int64_t first, int64_t end, int64_t g0, int
 // Every column, the groups split over the threads (each a contiguous run of stored rows,
 // read front to back), each thread's partial sums [M, N] added up at the end: the walk that
 // reads the weight at the machine's streaming bandwidth. Needs N a multiple of 32.
+//
+// `count` products of the same x (one model's q, k and v projections, or gate and up) go
+// through one split: each thread walks its groups of every weight in turn, so the threads
+// are started and joined once, not once per weight (each start and join cost a few
+// microseconds against the 83 KB of a SmolLM2 k projection).
 template <bool kInt4>
-void RunSplitGroups(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads) {
+void RunSplitGroups(ffi::ThreadPool& pool, const Problem* problems, int64_t count,
+                    int32_t num_threads) {
+  const Problem& p = problems[0];  // depth, group and rows are the same for every product
   const int64_t groups = p.depth / p.group;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, groups));
-  const int64_t size = p.rows * p.columns;
-  // [threads - 1, M, N], kept per calling thread across calls (no allocation per step).
+  // Per product, its [threads - 1, M, N] partials at offsets[i] of one buffer, kept per
+  // calling thread across calls (no allocation per step).
   static thread_local std::vector<float> partials;
-  if (partials.size() < static_cast<size_t>((threads - 1) * size)) {
-    partials.resize((threads - 1) * size);
+  static thread_local std::vector<int64_t> offsets;
+  offsets.assign(count + 1, 0);
+  for (int64_t i = 0; i < count; ++i) {
+    offsets[i + 1] = offsets[i] + (threads - 1) * problems[i].rows * problems[i].columns;
   }
-  // The helpers must see the caller's buffer: a thread_local named inside the lambda would
+  if (partials.size() < static_cast<size_t>(offsets[count])) partials.resize(offsets[count]);
+  // The helpers must see the caller's buffers: a thread_local named inside the lambda would
   // be each helper thread's own.
   float* const partial_sums = partials.data();
+  const int64_t* const starts = offsets.data();
   jaxinfer::ParallelFor(pool, threads, threads, [&](int64_t t) {
-    Problem own = p;
-    if (t > 0) own.out = partial_sums + (t - 1) * size;
     const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
-    if (!kInt4 && p.x_levels != nullptr && p.group == kBlock && p.rows <= kStreamRows) {
-      if (p.rows == 1) StreamInt8Groups<1>(own, g0, g1); else StreamInt8Groups<2>(own, g0, g1);
-      return;
+    for (int64_t i = 0; i < count; ++i) {
+      Problem own = problems[i];
+      if (t > 0) own.out = partial_sums + starts[i] + (t - 1) * own.rows * own.columns;
+      if (!kInt4 && own.x_levels != nullptr && own.group == kBlock && own.rows <= kStreamRows) {
+        if (own.rows == 1) StreamInt8Groups<1>(own, g0, g1); else StreamInt8Groups<2>(own, g0, g1);
+      } else {
+        VectorColumns<kInt4>(own, 0, own.columns, g0, g1);
+      }
     }
-    VectorColumns<kInt4>(own, 0, p.columns, g0, g1);
   });
-  for (int64_t t = 1; t < threads; ++t) {
-    const float* partial = partial_sums + (t - 1) * size;
-    for (int64_t i = 0; i < size; ++i) p.out[i] += partial[i];
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t size = problems[i].rows * problems[i].columns;
+    for (int64_t t = 1; t < threads; ++t) {
+      const float* partial = partial_sums + starts[i] + (t - 1) * size;
+      for (int64_t j = 0; j < size; ++j) problems[i].out[j] += partial[j];
+    }
   }
 }
 
@@ -528,15 +544,24 @@ void ScalarColumns(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
-template <bool kInt4>
-void Run(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads, int64_t panel_rows) {
+// Whether p takes the dequantized panel (float activations, many rows).
+bool PanelPath(const Problem& p, int64_t panel_rows) {
 #ifdef JAXINFER_QUANT_AVX2
-  if (p.x_levels == nullptr && p.rows >= panel_rows && p.columns % kPanelColumns == 0) {
+  return p.x_levels == nullptr && p.rows >= panel_rows && p.columns % kPanelColumns == 0;
+#else
+  return false;
+#endif
+}
+
+template <bool kInt4>
+void RunOne(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads, int64_t panel_rows) {
+#ifdef JAXINFER_QUANT_AVX2
+  if (PanelPath(p, panel_rows)) {
     RunPanels<kInt4>(pool, p, num_threads);
     return;
   }
   if (p.columns % kSub == 0) {
-    RunSplitGroups<kInt4>(pool, p, num_threads);
+    RunSplitGroups<kInt4>(pool, &p, 1, num_threads);
     return;
   }
 #endif
@@ -551,6 +576,23 @@ void Run(ffi::ThreadPool& pool, const Problem& p, int32_t num_threads, int64_t p
 #endif
     if (c0 < end) ScalarColumns<kInt4>(p, c0, end);
   });
+}
+
+// The products of one x: through one group split where every one takes it, else in turn.
+template <bool kInt4>
+void Run(ffi::ThreadPool& pool, const Problem* problems, int64_t count, int32_t num_threads,
+         int64_t panel_rows) {
+#ifdef JAXINFER_QUANT_AVX2
+  bool split = true;
+  for (int64_t i = 0; i < count; ++i) {
+    split = split && !PanelPath(problems[i], panel_rows) && problems[i].columns % kSub == 0;
+  }
+  if (split) {
+    RunSplitGroups<kInt4>(pool, problems, count, num_threads);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) RunOne<kInt4>(pool, problems[i], num_threads, panel_rows);
 }
 
 // Validates shapes and the layer index; locates the layer's matrices.
@@ -711,31 +753,75 @@ void QuantizeActivations(Problem* p, std::vector<int8_t>* levels, std::vector<fl
   p->sums = sums->data();
 }
 
+// Fills the activation side of every problem (one x) and runs them: int8 levels where every
+// product takes the integer path, else float group sums.
+ffi::Error Compute(ffi::ThreadPool& pool, Problem* problems, int64_t count, bool int4,
+                   bool int8_activations, int32_t num_threads, int64_t panel_rows) {
+  // Scratch kept per calling thread across calls: a decode step makes ~200 of these calls,
+  // and allocating per call showed in its profile.
+  static thread_local std::vector<float> sums, x_scales;
+  static thread_local std::vector<int8_t> x_levels;
+  bool integer = true;
+  for (int64_t i = 0; i < count; ++i) integer = integer && IntegerPath(problems[i], int8_activations);
+  if (integer) {
+    QuantizeActivations(&problems[0], &x_levels, &x_scales, &sums);
+  } else {
+    SumGroups(&problems[0], &sums);
+  }
+  for (int64_t i = 1; i < count; ++i) {
+    problems[i].x_levels = problems[0].x_levels;
+    problems[i].x_scales = problems[0].x_scales;
+    problems[i].sums = problems[0].sums;
+  }
+  const int32_t threads = std::max<int32_t>(1, num_threads);
+  if (int4) {
+    Run<true>(pool, problems, count, threads, panel_rows);
+  } else {
+    Run<false>(pool, problems, count, threads, panel_rows);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer weights,
                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zeros,
                            ffi::Buffer<ffi::S32> layer, bool int4, bool has_zeros,
                            int64_t group_size, bool int8_activations, int32_t num_threads,
                            int64_t panel_rows, ffi::ResultBuffer<ffi::F32> out) {
   Problem p;
-  // Scratch kept per calling thread across calls: a decode step makes ~200 of these calls,
-  // and allocating per call showed in its profile.
-  static thread_local std::vector<float> sums, x_scales;
-  static thread_local std::vector<int8_t> x_levels;
   ffi::Error error = Prepare(x, weights, scales, zeros, layer, int4, has_zeros, group_size, out,
                              &p);
   if (error.failure()) return error;
-  if (IntegerPath(p, int8_activations)) {
-    QuantizeActivations(&p, &x_levels, &x_scales, &sums);
-  } else {
-    SumGroups(&p, &sums);
+  return Compute(pool, &p, 1, int4, int8_activations, num_threads, panel_rows);
+}
+
+// Several weights of one format and group size times the same x (q, k and v; gate and up):
+// arrays (values, scales, zeros) per weight, one result each.
+ffi::Error QuantMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs arrays,
+                               ffi::RemainingRets outs, bool int4, bool has_zeros,
+                               int64_t group_size, bool int8_activations, int32_t num_threads,
+                               int64_t panel_rows) {
+  const size_t count = outs.size();
+  if (count == 0 || arrays.size() != 3 * count) {
+    return ffi::Error::InvalidArgument("give (values, scales, zeros) for each result");
   }
-  const int32_t threads = std::max<int32_t>(1, num_threads);
-  if (int4) {
-    Run<true>(pool, p, threads, panel_rows);
-  } else {
-    Run<false>(pool, p, threads, panel_rows);
+  static thread_local std::vector<Problem> problems;
+  problems.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    auto weights = arrays.get<ffi::AnyBuffer>(3 * i);
+    auto scales = arrays.get<ffi::Buffer<ffi::F32>>(3 * i + 1);
+    auto zeros = arrays.get<ffi::AnyBuffer>(3 * i + 2);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (weights.has_error()) return weights.error();
+    if (scales.has_error()) return scales.error();
+    if (zeros.has_error()) return zeros.error();
+    if (out.has_error()) return out.error();
+    ffi::Error error = Prepare(x, *weights, *scales, *zeros, layer, int4, has_zeros, group_size,
+                               *out, &problems[i]);
+    if (error.failure()) return error;
   }
-  return ffi::Error::Success();
+  return Compute(pool, problems.data(), static_cast<int64_t>(count), int4, int8_activations,
+                 num_threads, panel_rows);
 }
 
 }  // namespace
@@ -755,3 +841,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmul, QuantMatmulImpl,
                                   .Attr<int32_t>("num_threads")
                                   .Attr<int64_t>("panel_rows")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulMany, QuantMatmulManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .RemainingArgs()               // (values, scales, zeros) each
+                                  .RemainingRets()               // out [M, N_i] each
+                                  .Attr<bool>("int4")
+                                  .Attr<bool>("has_zeros")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<bool>("int8_activations")
+                                  .Attr<int32_t>("num_threads")
+                                  .Attr<int64_t>("panel_rows"));

@@ -212,3 +212,76 @@ def test_activation_quantization_rule_by_hand():
     np.testing.assert_array_equal(np.asarray(levels[0, :32]), 0)  # a block of zeros
     # 127 / 1 -> 127; -63.5 -> -64 (half to even); 0.25 -> 0.
     np.testing.assert_array_equal(np.asarray(levels[0, 32:35]), [127, -64, 0])
+
+
+# Several weights of one x in one call (`matmul_many`): q, k and v at SmolLM2's column ratio
+# (3 : 1 : 1, here 96 / 32 / 32), and a set with a column count off the 32-column blocks.
+MANY_COLUMNS = [(96, 32, 32), (64, 40)]
+
+
+@pytest.mark.parametrize("weight_format,options", WEIGHTS)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("columns", MANY_COLUMNS)
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_many_weights_in_one_call_equal_one_call_each(weight_format, options, rows, columns,
+                                                      int8_activations):
+    x = _case(weight_format, options, rows, 128, 32, seed=3)[0]
+    weights = [_case(weight_format, options, rows, 128, n, seed=10 + i)[1]
+               for i, n in enumerate(columns)]
+    arrays = [(w.values, w.scales, w.zeros) for w in weights]
+    got = jax.jit(lambda a: cpu.matmul_many(a, weight_format, arrays, weights[0].group_size,
+                                            int8_activations=int8_activations))(x)
+    for out, weight in zip(got, weights, strict=True):
+        want = _kernel(x, weight, int8_activations)  # [M, N]
+        # The same walk and the same activation side: equal bit for bit, except where one of
+        # the weights keeps float activations (then all do: columns off the 32-column blocks).
+        if int8_activations and any(n % 32 for n in columns):
+            want = _kernel(x, weight, False)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_many_weights_read_the_traced_layer_of_their_stacks_in_one_custom_call():
+    cases = [[_case("int4", dict(group_size=32, symmetric=False), 1, 128, n, seed=20 + s)[1]
+              for s in range(3)] for n in (64, 32)]  # two weights, three layers each
+    x = _case("int4", {}, 1, 128, 32, seed=9)[0]
+    stacks = [tuple(jnp.stack([getattr(w, name) for w in layers])
+                    for name in ("values", "scales", "zeros")) for layers in cases]
+
+    def per_layer(a):
+        return jax.lax.map(lambda layer: tuple(cpu.matmul_many(a, "int4", stacks, 32,
+                                                               layer=layer)), jnp.arange(3))
+
+    got = jax.jit(per_layer)(x)  # ([L, M, 64], [L, M, 32])
+    for weight_index, layers in enumerate(cases):
+        for layer, weight in enumerate(layers):
+            want = _kernel(x, weight, True)
+            np.testing.assert_array_equal(np.asarray(got[weight_index][layer]), np.asarray(want))
+    assert jax.jit(per_layer).lower(x).as_text().count("jaxinfer_QuantMatmulMany") == 1
+
+
+def test_many_weights_gradients_are_each_weights_summed():
+    x, first = _case("int4", dict(group_size=32, symmetric=False), 2, 64, 32)
+    second = _case("int4", dict(group_size=32, symmetric=False), 2, 64, 64, seed=4)[1]
+    probes = [jnp.asarray(np.random.default_rng(6 + i).standard_normal((2, n)), jnp.float32)
+              for i, n in enumerate((32, 64))]
+
+    def together(a):
+        outs = cpu.matmul_many(a, "int4", [(w.values, w.scales, w.zeros) for w in
+                                           (first, second)], 32, int8_activations=False)
+        return sum(jnp.sum(p * o) for p, o in zip(probes, outs, strict=True))
+
+    def apart(a):
+        return sum(jnp.sum(p * cpu.matmul(a, "int4", w.values, w.scales, w.zeros, 32,
+                                          int8_activations=False))
+                   for p, w in zip(probes, (first, second), strict=True))
+
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(together))(x)),
+                               np.asarray(jax.jit(jax.grad(apart))(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_many_weights_refuse_a_mix_of_zero_points():
+    x, with_zeros = _case("int4", dict(group_size=32, symmetric=False), 1, 64, 32)
+    without = _case("int4", dict(group_size=32), 1, 64, 32)[1]
+    with pytest.raises(ValueError, match="zero points"):
+        cpu.matmul_many(x, "int4", [(w.values, w.scales, w.zeros) for w in (with_zeros, without)],
+                        32)

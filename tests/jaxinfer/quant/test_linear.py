@@ -30,6 +30,7 @@ from jaxinfer.quant import (
 )
 from jaxinfer.quant.linear import quantize_matrix
 from pallas_kernels import dispatch
+from pallas_kernels.quant_matmul import cpu as cpu_quant_matmul
 from pallas_kernels.quant_matmul import dequantize_weight, quantized_matmul
 
 SCHEMES = {
@@ -184,3 +185,22 @@ def test_engine_greedy_equals_reference_generate_on_the_quantized_model(model, m
         for output in engine.step():
             outputs[output.request_id] = output.outputs[0].token_ids
     assert [outputs[str(index)] for index in range(len(prompts))] == expected
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_quant_matmul.available(),
+                    reason="XLA:CPU's quantized-matmul kernel")
+def test_a_blocks_projections_of_one_input_share_one_kernel_call(model, monkeypatch):
+    # q, k and v (and gate and up) read the same input: one `matmul_many` call each set,
+    # whose products equal one call per projection bit for bit.
+    config = QuantizationConfig(method="rtn", rules=(
+        QuantizationRule(r".", SCHEMES["int4-g32-asym"]),))
+    quantized = quantize_model(model, config)
+    tokens = jax.random.randint(jax.random.key(5), (1, 1), 0, 512)  # [B, T] a decode row
+    text = jax.jit(lambda t: quantized(t)[0]).lower(tokens).as_text()
+    assert text.count("jaxinfer_QuantMatmulMany") == 2 * get_preset("tiny").num_layers
+    together = jax.jit(lambda t: quantized(t)[0])(tokens)  # [B, T, V]
+    monkeypatch.setattr(QuantizedLinear, "call_together", lambda self, x, layers: None)
+    apart_text = jax.jit(lambda t: quantized(t)[0]).lower(tokens).as_text()
+    assert "jaxinfer_QuantMatmulMany" not in apart_text
+    apart = jax.jit(lambda t: quantized(t)[0])(tokens)  # [B, T, V]
+    np.testing.assert_array_equal(np.asarray(together), np.asarray(apart))
